@@ -1,0 +1,161 @@
+"""Vision Transformer with one learnable step size for attention and one for the MLP.
+
+Parameter names follow timm (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
+``blocks.{i}.norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2``, ``norm``, ``head``) plus
+``blocks.{i}.step_attn`` and ``blocks.{i}.step_mlp``. Width scaling narrows the embedding
+dimension, every head (all heads are kept, each to its first ``ceil(head_dim * sqrt(gamma_w))``
+dimensions, with q, k and v sliced separately) and the MLP hidden layer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .base import Index, NestedNet, Steps, resolve_steps, scale_width
+from .registry import register_model
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention whose inner width ``num_heads * head_dim`` is independent of
+    the embedding width, so that both can be narrowed."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * num_heads * head_dim)
+        self.proj = nn.Linear(num_heads * head_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
+        return self.proj(x)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class EncoderBlock(nn.Module):
+    """``x = x + s_attn * Attn(LN(x)); x = x + s_mlp * MLP(LN(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, hidden: int, step: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, head_dim)
+        self.step_attn = nn.Parameter(torch.tensor(float(step)))
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, hidden)
+        self.step_mlp = nn.Parameter(torch.tensor(float(step)))
+
+    def forward(self, x):
+        x = x + self.step_attn * self.attn(self.norm1(x))
+        return x + self.step_mlp * self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, dim: int):
+        super().__init__()
+        self.num_patches = (img_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_chans, dim, patch_size, stride=patch_size)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(NestedNet):
+    """ViT with class-token pooling, pre-norm blocks and a linear head (timm layout)."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        gamma_w: float = 1.0,
+        steps: Steps | None = None,
+    ):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.stage_depths = (depth,)
+        self.stage_names = ("blocks",)
+        self.input_size = (in_chans, img_size, img_size)
+        self.full_head_dim = embed_dim // num_heads
+        (stage_steps,) = resolve_steps(steps, (depth,))
+        dim = scale_width(embed_dim, gamma_w)
+        head_dim = scale_width(self.full_head_dim, gamma_w)
+        hidden = scale_width(int(embed_dim * mlp_ratio), gamma_w)
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(
+            OrderedDict(
+                (str(i), EncoderBlock(dim, num_heads, head_dim, hidden, s))
+                for i, s in enumerate(stage_steps)
+                if s != 0
+            )
+        )
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.norm(self.blocks(x))[:, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x))
+
+    def slice_index(self, key: str, slim_shape: torch.Size, full_shape: torch.Size) -> Index:
+        """q, k and v are sliced separately and every head keeps its first dimensions."""
+        index = list(super().slice_index(key, slim_shape, full_shape))
+        if key.endswith("attn.qkv.weight") or key.endswith("attn.qkv.bias"):
+            index[0] = self._head_index(slim_shape[0] // 3, full_shape[0] // 3, parts=3)
+        elif key.endswith("attn.proj.weight"):
+            index[1] = self._head_index(slim_shape[1], full_shape[1], parts=1)
+        return tuple(index)
+
+    def _head_index(self, slim_inner: int, full_inner: int, parts: int) -> torch.Tensor:
+        heads = full_inner // self.full_head_dim
+        kept = slim_inner // heads
+        per_head = torch.arange(kept)
+        starts = torch.arange(parts * heads) * self.full_head_dim
+        return (starts[:, None] + per_head[None, :]).reshape(-1)
+
+
+@register_model
+def vit_b_16(**kwargs) -> VisionTransformer:
+    """ViT-B/16 (768 wide, 12 blocks, 12 heads); keyword arguments override the defaults."""
+    cfg = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12) | kwargs
+    return VisionTransformer(**cfg)
+
+
+@register_model
+def vit_tiny_16(**kwargs) -> VisionTransformer:
+    """ViT-Ti/16 (192 wide, 12 blocks, 3 heads)."""
+    cfg = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3) | kwargs
+    return VisionTransformer(**cfg)

@@ -1,0 +1,186 @@
+"""Declarative submodel specs: pydantic models, YAML loading and errors that name the field.
+
+A spec names a zoo model and its tiers. Each tier has a width parameter ratio ``gamma_w``
+(channels become ``ceil(C * sqrt(gamma_w))``) and per-block step sizes ``steps`` (one list per
+stage, one entry per block, 0 = block removed). ``inconsistent`` lists the parameter kinds kept
+per tier (``steps``, ``norm``); the rest are shared by all tiers.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+Inconsistent = Literal["steps", "norm"]
+
+
+class SpecError(ValueError):
+    """A spec problem, printed as ``FILE: FIELD: what was expected``."""
+
+    def __init__(self, source: str, field: str, message: str):
+        self.source, self.field, self.message = source, field, message
+        where = f"{source}: {field}: " if field else f"{source}: "
+        super().__init__(where + message)
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("spec", "{field}: {message}", {"field": field, "message": message})
+
+
+class TierSpec(BaseModel):
+    """One submodel: its width ratio and its per-block step sizes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="unique tier name, e.g. g0.2")
+    gamma_w: float = Field(1.0, description="width parameter ratio in (0, 1]")
+    steps: list[list[float]] | None = Field(
+        None, description="one list per stage, one initial step size per block; 0 = skip"
+    )
+    learnable_steps: bool = Field(True, description="train the step sizes (false: N/L ablation)")
+    gamma: float | None = Field(None, description="nominal parameter ratio (informational)")
+
+    @field_validator("gamma_w", "gamma")
+    @classmethod
+    def _in_unit_interval(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
+        return v
+
+
+class SubmodelSpec(BaseModel):
+    """A zoo model and the tiers (submodels) nested in it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="registered zoo model, see `nefl-zoo models`")
+    model_args: dict[str, Any] = Field(default_factory=dict, description="create_model kwargs")
+    tiers: list[TierSpec] = Field(min_length=1)
+    inconsistent: list[Inconsistent] = Field(
+        default_factory=lambda: ["steps", "norm"],
+        description="parameter kinds kept per tier; the others are shared (NeFedAvg)",
+    )
+
+    @model_validator(mode="after")
+    def _check_against_model(self) -> "SubmodelSpec":
+        from .models import is_model, list_models
+
+        if not is_model(self.model):
+            raise _field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
+        try:
+            depths = stage_depths(self.model, tuple(sorted(self.model_args.items())))
+        except (TypeError, ValueError) as exc:
+            raise _field_error("model_args", str(exc)) from None
+        seen: set[str] = set()
+        for t, tier in enumerate(self.tiers):
+            where = f"tiers[{t}]"
+            if tier.name in seen:
+                raise _field_error(f"{where}.name", f"duplicate tier name {tier.name!r}")
+            seen.add(tier.name)
+            if tier.steps is None:
+                continue
+            if len(tier.steps) != len(depths):
+                raise _field_error(
+                    f"{where}.steps", f"{self.model} has {len(depths)} stages, got {len(tier.steps)}"
+                )
+            for s, (stage, depth) in enumerate(zip(tier.steps, depths)):
+                if len(stage) != depth:
+                    raise _field_error(
+                        f"{where}.steps[{s}]",
+                        f"{self.model} stage {s + 1} has {depth} blocks, got {len(stage)}",
+                    )
+                for b, value in enumerate(stage):
+                    if value < 0:
+                        raise _field_error(f"{where}.steps[{s}][{b}]", f"step must be >= 0, got {value}")
+                    if value != 1 and value != 0 and "steps" not in self.inconsistent:
+                        raise _field_error(
+                            f"{where}.steps[{s}][{b}]",
+                            "shared step sizes start at 1 (use 0/1 or add 'steps' to inconsistent)",
+                        )
+            if not any(v for stage in tier.steps for v in stage):
+                raise _field_error(f"{where}.steps", "every block is skipped; keep at least one")
+        return self
+
+    def tier(self, name: str) -> TierSpec:
+        """The tier called ``name``."""
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(f"no tier {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+    @property
+    def full_tier(self) -> TierSpec:
+        """The widest, deepest tier (largest ``gamma_w``, then most blocks)."""
+        return max(self.tiers, key=lambda t: (t.gamma_w, _kept(t)))
+
+
+def _kept(tier: TierSpec) -> int:
+    return sum(v != 0 for stage in tier.steps for v in stage) if tier.steps else 10**9
+
+
+@functools.lru_cache(maxsize=64)
+def stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
+    """Blocks per stage of a zoo model (built on the meta device, so it costs no memory)."""
+    import torch
+
+    from .models import create_model
+
+    with torch.device("meta"):
+        return create_model(model, **dict(model_args)).stage_depths
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def format_validation_error(source: str, exc: ValidationError) -> SpecError:
+    """The first error of a pydantic ``ValidationError`` as a one-line :class:`SpecError`."""
+    err = exc.errors()[0]
+    if err["type"] == "spec":
+        return SpecError(source, err["ctx"]["field"], err["ctx"]["message"])
+    field = _loc(err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = "unknown key (check the spelling; `nefl-zoo schema` lists the keys)"
+    elif err["type"] == "missing":
+        message = "required key is missing"
+    return SpecError(source, field, message)
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
+    """Validate already-loaded spec data; raise :class:`SpecError` on the first problem."""
+    if not isinstance(data, dict):
+        raise SpecError(source, "", f"expected a mapping with model and tiers, got {type(data).__name__}")
+    try:
+        return SubmodelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_error(source, exc) from None
+
+
+def load_spec(path: str | Path) -> SubmodelSpec:
+    """Read a YAML spec file with ``yaml.safe_load`` and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(str(path), "", f"cannot read the file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError(str(path), "", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_spec(data, str(path))
+
+
+def json_schema() -> dict:
+    """JSON Schema of spec files (for editor completion)."""
+    return SubmodelSpec.model_json_schema()
