@@ -184,3 +184,21 @@ def load_spec(path: str | Path) -> SubmodelSpec:
 def json_schema() -> dict:
     """JSON Schema of spec files (for editor completion)."""
     return SubmodelSpec.model_json_schema()
+
+
+def shipped_specs_dir() -> Path:
+    """Folder of the specs shipped with nefl-zoo (``$NEFL_ZOO_SPECS`` overrides it)."""
+    import os
+
+    return Path(os.environ.get("NEFL_ZOO_SPECS", Path(__file__).resolve().parents[1] / "specs"))
+
+
+def resolve_spec_path(name_or_path: str | Path) -> Path:
+    """A spec file path, or the shipped spec ``MODEL/NAME`` (e.g. ``resnet110/nefl-wd``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_specs_dir() / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    raise SpecError(str(name_or_path), "", "no such spec file or shipped spec (see `nefl-zoo specs`)")

@@ -145,6 +145,8 @@ class ResNet(NestedNet):
         self._init_weights()
 
     def _init_weights(self) -> None:
+        if self.fc.weight.is_meta:  # shape-only model: nothing to initialise
+            return
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -117,7 +117,7 @@ class VisionTransformer(NestedNet):
         )
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, num_classes)
-        for m in self.modules():
+        for m in self.modules() if not self.head.weight.is_meta else ():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)

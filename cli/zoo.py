@@ -1,0 +1,239 @@
+"""``models``, ``specs``, ``schema``, ``build`` and ``profile``."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import fail, user_errors
+
+
+class Format(str, Enum):
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
+    json = "json"
+
+
+class Mode(str, Enum):
+    balanced = "balanced"
+    width = "width"
+    depth = "depth"
+
+
+def models() -> None:
+    """List the zoo's models with their stages and full-size parameter counts."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from nefl_zoo.models import create_model, list_models
+
+    table = Table("model", "blocks per stage", "params", "input")
+    for name in list_models():
+        with torch.device("meta"):
+            m = create_model(name)
+        params = sum(p.numel() for p in m.parameters())
+        table.add_row(name, "/".join(map(str, m.stage_depths)), f"{params / 1e6:.2f}M", "x".join(map(str, m.input_size)))
+    Console().print(table)
+
+
+def specs() -> None:
+    """List the specs shipped in ``specs/``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from nefl_zoo.spec import SpecError, load_spec, shipped_specs_dir
+
+    root = shipped_specs_dir()
+    table = Table("spec", "model", "tiers (nominal gamma)")
+    for path in sorted(root.glob("*/*.yaml")):
+        if path.parent.name == "train":
+            continue
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            table.add_row(str(path.relative_to(root).with_suffix("")), "[red]invalid[/]", str(exc))
+            continue
+        tiers = ", ".join(t.name if t.gamma is None else f"{t.name} ({t.gamma:g})" for t in spec.tiers)
+        table.add_row(str(path.relative_to(root).with_suffix("")), spec.model, tiers)
+    Console().print(table)
+
+
+def schema() -> None:
+    """Print the JSON Schema of spec files (for editor completion)."""
+    from nefl_zoo.spec import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+def build(
+    model: Optional[str] = typer.Argument(None, help="zoo model (optional with --spec)"),
+    gamma: float = typer.Option(1.0, help="target parameter ratio in (0, 1]"),
+    mode: Mode = typer.Option(Mode.balanced, help="how to reach gamma"),
+    spec: Optional[Path] = typer.Option(None, help="spec file or shipped spec name"),
+    tier: Optional[str] = typer.Option(None, help="tier of --spec"),
+    pretrained: Optional[str] = typer.Option(None, help="weights file or torchvision:/timm: name"),
+    out: Optional[Path] = typer.Option(None, help="write weights (.safetensors) and tier spec (.yaml)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Build a physically slimmed submodel and say what it is."""
+    from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
+
+    note = ""
+    with user_errors(SpecError):
+        if spec is not None:
+            sub = load_spec(resolve_spec_path(spec))
+            if model is not None and model != sub.model:
+                raise fail(f"{spec}: model: spec is for {sub.model}, not {model}")
+            if tier is None:
+                if len(sub.tiers) != 1:
+                    raise fail(f"{spec}: tiers: give --tier, one of {', '.join(t.name for t in sub.tiers)}")
+                tier = sub.tiers[0].name
+            chosen = sub.tier(tier)
+        else:
+            if model is None:
+                raise fail("give a MODEL or --spec FILE (see `nefl-zoo models`)")
+            from nefl_zoo.auto import auto_tier
+            from nefl_zoo.models import is_model, list_models
+
+            if not is_model(model):
+                raise fail(f"model: unknown model {model!r}; one of {', '.join(list_models())}")
+            found = auto_tier(model, gamma, mode.value)
+            note = found.note
+            chosen = found.tier
+            sub = SubmodelSpec(model=model, tiers=[chosen])
+        report, slim = _build_report(sub, chosen.name, pretrained)
+    if out is not None:
+        _write_submodel(out, slim, sub, chosen.name)
+        report["out"] = str(out)
+    if as_json:
+        typer.echo(json.dumps(report | ({"note": note} if note else {})))
+        return
+    blocks = "/".join(map(str, report["blocks_per_stage"]))
+    typer.echo(
+        f"{report['model']} tier {report['tier']}: {report['params']:,} params "
+        f"({report['params_ratio']:.3f} of full), {report['macs'] / 1e6:,.1f}M MACs "
+        f"({report['macs_ratio']:.3f}), gamma_w={report['gamma_w']:g}, blocks per stage {blocks}"
+        + (f", written to {out}" if out else "")
+    )
+    if note:
+        typer.echo(f"note: {note}", err=True)
+
+
+def _build_report(spec, tier: str, pretrained: str | None) -> tuple[dict, "object"]:
+    from nefl_zoo.profile import blocks_per_stage, count_macs, count_params
+    from nefl_zoo.slim import compile_spec
+
+    compiled = compile_spec(spec)
+    full = compiled.create_global_model(pretrained=pretrained)
+    ct = compiled[tier]
+    slim = ct.load(compiled.init_global_state(full))
+    params, macs = count_params(slim), count_macs(slim, compiled.input_size)
+    report = {
+        "model": spec.model,
+        "tier": tier,
+        "params": params,
+        "params_ratio": params / count_params(full),
+        "macs": macs,
+        "macs_ratio": macs / count_macs(full, compiled.input_size),
+        "gamma": ct.tier.gamma,
+        "gamma_w": ct.tier.gamma_w,
+        "blocks_per_stage": blocks_per_stage(ct, full.stage_depths),
+    }
+    return report, slim
+
+
+def _write_submodel(out: Path, slim, spec, tier: str) -> None:
+    """Weights as safetensors and a one-tier spec as YAML, each written atomically."""
+    import os
+
+    import yaml
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    one = spec.model_copy(update={"tiers": [spec.tier(tier)]})
+    weights_tmp, spec_tmp = out.with_name(out.name + ".tmp"), out.with_suffix(".yaml.tmp")
+    save_file({k: v.contiguous() for k, v in slim.state_dict().items()}, str(weights_tmp))
+    spec_tmp.write_text(yaml.safe_dump(one.model_dump(exclude_none=True), sort_keys=False))
+    os.replace(weights_tmp, out)
+    os.replace(spec_tmp, out.with_suffix(".yaml"))
+
+
+def profile(
+    spec: str = typer.Argument(..., help="spec file or shipped spec name (e.g. resnet110/nefl-wd)"),
+    fmt: Format = typer.Option(Format.table, "--format", help="output format"),
+    by_module: bool = typer.Option(False, "--by-module", help="per-module MACs and parameters"),
+    latency: bool = typer.Option(False, "--latency", help="measure median CPU latency per tier"),
+    batch: int = typer.Option(64, help="batch size for --latency"),
+) -> None:
+    """Parameters, MACs (and latency) of every tier of a spec, as a table for papers."""
+    from nefl_zoo import profile as prof
+    from nefl_zoo.slim import compile_spec
+    from nefl_zoo.spec import SpecError, load_spec, resolve_spec_path
+
+    if batch < 1:
+        raise fail(f"--batch: must be >= 1, got {batch}")
+    with user_errors(SpecError):
+        sub = load_spec(resolve_spec_path(spec))
+    compiled = compile_spec(sub)
+    if by_module:
+        _print_by_module(compiled, fmt)
+        return
+    profiles = prof.profile_tiers(compiled, latency_batch=batch if latency else None)
+    if fmt is Format.markdown:
+        typer.echo(prof.to_markdown(profiles))
+    elif fmt is Format.csv:
+        typer.echo(prof.to_csv(profiles), nl=False)
+    elif fmt is Format.json:
+        typer.echo(prof.to_json(profiles))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        header, rows = prof.table_rows(profiles)
+        table = Table(*header, title=f"{sub.model}: {spec}", caption=prof.MACS_NOTE)
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+
+
+def _print_by_module(compiled, fmt: Format) -> None:
+    from fvcore.nn import parameter_count
+
+    from nefl_zoo.profile import macs_by_module
+
+    records = []
+    for ct in compiled.tiers.values():
+        model = ct.build()
+        macs = macs_by_module(model, compiled.input_size)
+        params = parameter_count(model)
+        records += [{"tier": ct.name, "module": k or "(total)", "params": params.get(k, 0), "macs": v} for k, v in macs.items()]
+    if fmt is Format.json:
+        typer.echo(json.dumps(records, indent=2))
+    elif fmt is Format.csv:
+        typer.echo("tier,module,params,macs")
+        for r in records:
+            typer.echo(f"{r['tier']},{r['module']},{r['params']},{r['macs']}")
+    elif fmt is Format.markdown:
+        typer.echo("| tier | module | params | MACs |\n|---|---|---|---|")
+        for r in records:
+            typer.echo(f"| {r['tier']} | {r['module']} | {r['params']:,} | {r['macs']:,} |")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("tier", "module", "params", "MACs")
+        for r in records:
+            table.add_row(r["tier"], r["module"], f"{r['params']:,}", f"{r['macs']:,}")
+        Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to ``app``."""
+    for command in (models, specs, schema, build, profile):
+        app.command()(command)
