@@ -1,0 +1,105 @@
+import pytest
+import timm
+import torch
+import torchvision
+from safetensors.torch import save_file
+
+from nefl_zoo.models import UnknownModelError, create_model, list_models, load_pretrained
+from nefl_zoo.models.pretrained import PretrainedError
+
+from .conftest import TINY_VIT
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_registry_lists_the_zoo():
+    assert set(list_models()) >= {
+        "resnet20", "resnet32", "resnet44", "resnet56", "resnet110",
+        "resnet18", "resnet34", "wide_resnet101_2", "vit_b_16",
+    }
+    assert list_models("resnet1*") == ["resnet110", "resnet18"]
+    with pytest.raises(UnknownModelError, match="unknown model 'resnet9'"):
+        create_model("resnet9")
+
+
+@pytest.mark.parametrize("name, depths", [("resnet20", (3, 3, 3)), ("resnet56", (9, 9, 9)), ("resnet110", (18, 18, 18)), ("resnet34", (3, 4, 6, 3))])
+def test_stage_depths(name, depths):
+    with torch.device("meta"):
+        assert create_model(name).stage_depths == depths
+
+
+def test_parameter_counts_match_torchvision_plus_one_step_per_block():
+    with torch.device("meta"):
+        for ours, theirs, blocks in [("resnet18", "resnet18", 8), ("resnet34", "resnet34", 16), ("wide_resnet101_2", "wide_resnet101_2", 33)]:
+            ref = getattr(torchvision.models, theirs)(num_classes=1000)
+            assert n_params(create_model(ours, stem="imagenet", num_classes=1000)) == n_params(ref) + blocks
+
+
+def test_every_block_has_a_scalar_step_and_the_cifar_resnet20_count_is_exact():
+    m = create_model("resnet20")
+    steps = {k: v for k, v in m.named_parameters() if k.endswith(".step")}
+    assert len(steps) == 9 and all(v.shape == () and v.item() == 1.0 for v in steps.values())
+    # stem 3x3x3x16 + bn, 9 blocks of two 3x3 convs + bn, two 1x1 projections + bn, fc 64->10
+    convs = 3 * 16 * 9 + 3 * 2 * 16 * 16 * 9 + (16 * 32 * 9 + 32 * 32 * 9 + 2 * 2 * 32 * 32 * 9) + (32 * 64 * 9 + 64 * 64 * 9 + 2 * 2 * 64 * 64 * 9)
+    bns = 2 * (16 + 3 * 2 * 16 + 3 * 2 * 32 + 3 * 2 * 64) + 2 * (32 + 64)
+    proj = 16 * 32 + 32 * 64
+    assert n_params(m) == convs + bns + proj + 64 * 10 + 10 + 9
+
+
+def test_removed_blocks_are_absent_and_first_block_projection_stays():
+    m = create_model("resnet20", steps=[[1, 0, 1], [0, 1, 1], [1, 1, 1]])
+    keys = m.state_dict().keys()
+    assert not any(k.startswith("layer1.1.") for k in keys)
+    assert "layer2.0.downsample.0.weight" in keys and "layer2.0.conv1.weight" not in keys
+    assert "layer2.0.step" not in keys
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name, ref_fn, stem", [("resnet18", torchvision.models.resnet18, "imagenet"), ("resnet34", torchvision.models.resnet34, "imagenet")])
+def test_torchvision_weights_give_the_same_logits(name, ref_fn, stem, tmp_path):
+    ref = ref_fn(num_classes=10).eval()
+    path = tmp_path / "w.pth"
+    torch.save(ref.state_dict(), path)
+    ours = create_model(name, stem=stem, num_classes=10, pretrained=str(path)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
+def test_wide_resnet_weights_give_the_same_logits(tmp_path):
+    ref = torchvision.models.wide_resnet101_2(num_classes=10).eval()
+    save_file(ref.state_dict(), str(tmp_path / "w.safetensors"))
+    ours = create_model("wide_resnet101_2", num_classes=10).eval()
+    skipped = load_pretrained(ours, tmp_path / "w.safetensors")
+    assert len(skipped) == 33 and all(k.endswith(".step") for k in skipped)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
+def test_timm_vit_weights_give_the_same_logits(tmp_path):
+    ref = timm.models.VisionTransformer(**TINY_VIT).eval()
+    path = tmp_path / "vit.pth"
+    torch.save({"model": ref.state_dict()}, path)
+    ours = create_model("vit_b_16", **TINY_VIT, pretrained=str(path)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+
+
+def test_imagenet_head_is_left_when_classes_differ():
+    ref = torchvision.models.resnet18(num_classes=1000)
+    ours = create_model("resnet18", stem="imagenet", num_classes=10)
+    skipped = load_pretrained(ours, ref.state_dict())
+    assert set(skipped) >= {"fc.weight", "fc.bias"}
+    torch.testing.assert_close(ours.layer4[1].conv2.weight, ref.layer4[1].conv2.weight)
+
+
+def test_bad_pretrained_inputs(tmp_path):
+    m = create_model("resnet20")
+    with pytest.raises(PretrainedError, match="no such weights file"):
+        load_pretrained(m, tmp_path / "missing.pth")
+    with pytest.raises(PretrainedError, match="lack 'conv1.weight'"):
+        load_pretrained(m, {k: v for k, v in m.state_dict().items() if k != "conv1.weight"})
+    wrong = create_model("resnet20", gamma_w=0.25).state_dict()
+    with pytest.raises(PretrainedError, match=r"conv1.weight: pretrained shape \(8, 3, 3, 3\)"):
+        load_pretrained(m, wrong)

@@ -1,0 +1,147 @@
+import pytest
+import torch
+
+from nefl_zoo.models import create_model
+from nefl_zoo.slim import build_submodel, compile_spec, extract, scatter_, split_tier_key
+from nefl_zoo.spec import parse_spec
+
+
+def test_full_tier_equals_the_global_model_bitwise(resnet20_spec):
+    compiled = compile_spec(resnet20_spec)
+    full = compiled.create_global_model().eval()
+    state = compiled.init_global_state(full)
+    sub = compiled["full"].load(state).eval()
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.equal(sub(x), full(x))
+
+
+def test_full_vit_tier_equals_the_global_model_bitwise(vit_spec):
+    compiled = compile_spec(vit_spec)
+    full = compiled.create_global_model().eval()
+    sub = compiled["full"].load(compiled.init_global_state(full)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(sub(x), full(x))
+
+
+def test_skipping_equals_masking_the_global_model(resnet20_spec):
+    """A physically removed block computes what the paper's masked (step 0) block computes."""
+    steps = [[1, 0, 1], [0, 1, 1], [1, 1, 0]]
+    spec = parse_spec({"model": "resnet20", "tiers": [{"name": "d", "steps": steps}, {"name": "full"}]})
+    compiled = compile_spec(spec)
+    full = compiled.create_global_model().eval()
+    slim = compiled["d"].load(compiled.init_global_state(full)).eval()
+    with torch.no_grad():
+        for (s, b) in [(0, 1), (1, 0), (2, 2)]:
+            getattr(full, f"layer{s + 1}")[b].step.zero_()
+    x = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(slim(x), full(x), atol=1e-6, rtol=0)
+    assert sum(p.numel() for p in slim.parameters()) < sum(p.numel() for p in full.parameters())
+
+
+def test_extract_scatter_round_trip(resnet20_spec):
+    compiled = compile_spec(resnet20_spec)
+    state = compiled.init_global_state()
+    before = {k: v.clone() for k, v in state.items()}
+    for name in compiled.tiers:
+        sub = extract(state, resnet20_spec, name)
+        scatter_(state, resnet20_spec, name, sub)
+        assert all(torch.equal(state[k], before[k]) for k in state)
+    # new values written through one tier come back exactly, and nothing else moves
+    small = compiled["small"]
+    new = {k: torch.randn(v.shape) if v.is_floating_point() else v + 1 for k, v in small.extract(state).items()}
+    small.scatter_(state, new)
+    back = small.extract(state)
+    assert all(torch.equal(back[k], new[k]) for k in new)
+    assert torch.equal(state["fc.weight"][:, 32:], before["fc.weight"][:, 32:])
+    assert torch.equal(state["layer1.0.bn1.weight@medium"], before["layer1.0.bn1.weight@medium"])
+
+
+def test_slice_map_counts_and_bounds(resnet20_spec, vit_spec):
+    for spec in (resnet20_spec, vit_spec):
+        compiled = compile_spec(spec)
+        shapes = compiled.global_shapes()
+        for ct in compiled.tiers.values():
+            model = ct.build()
+            ct.slice_map.check(shapes)
+            params = dict(model.named_parameters())
+            assert sum(p.numel() for p in params.values()) == sum(ct.slice_map[k].numel for k in params)
+            assert sum(v.numel() for v in model.state_dict().values()) == ct.slice_map.numel()
+            assert set(ct.slice_map) == set(model.state_dict())
+
+
+def test_slim_widths_are_ceil_of_sqrt_gamma(resnet20_spec):
+    small = build_submodel(resnet20_spec, "small")  # gamma_w 0.25 -> half the channels
+    assert small.conv1.weight.shape == (8, 3, 3, 3)  # stem: outputs only
+    assert small.layer3[0].downsample[0].weight.shape == (32, 16, 1, 1)
+    assert small.fc.weight.shape == (10, 32)  # classifier: inputs only
+    m = create_model("resnet110", gamma_w=0.46)  # ceil(16 * 0.678) = 11
+    assert m.conv1.out_channels == 11 and m.fc.in_features == 44
+
+
+def test_narrower_width_slices_are_prefixes_of_wider_ones(resnet20_spec, vit_spec):
+    for spec, narrow, wide in [(resnet20_spec, "small", "medium"), (resnet20_spec, "medium", "full"), (vit_spec, "half", "full")]:
+        compiled = compile_spec(spec)
+        shapes = compiled.global_shapes()
+        a, b = compiled[narrow].slice_map, compiled[wide].slice_map
+        for key, ea in a.items():
+            if not ea.consistent or key not in b:
+                continue
+            mask_a = torch.zeros(shapes[ea.global_key], dtype=torch.bool)
+            mask_b = torch.zeros_like(mask_a)
+            ea.put_(mask_a, torch.ones(ea.shape, dtype=torch.bool))
+            b[key].put_(mask_b, torch.ones(b[key].shape, dtype=torch.bool))
+            assert torch.all(mask_b[mask_a]), key  # narrow region lies inside the wide one
+            assert torch.equal(ea.gather(mask_b), torch.ones(ea.shape, dtype=torch.bool))
+
+
+def test_inconsistent_tensors_are_per_tier(resnet20_spec):
+    compiled = compile_spec(resnet20_spec)
+    state = compiled.init_global_state()
+    assert state["layer3.0.step@small"].item() == 2.0  # D_O-style initial step from the spec
+    assert state["layer3.0.step@full"].item() == 1.0
+    assert state["layer1.0.bn1.weight@small"].shape == (8,)
+    assert "layer1.0.bn1.weight" not in state and "layer1.0.conv1.weight" in state
+    tiers = {split_tier_key(k)[1] for k in state} - {None}
+    assert tiers == {"small", "medium", "full"}
+    assert compiled["small"].slice_map["layer1.0.bn1.running_var"].global_key == "layer1.0.bn1.running_var@small"
+
+
+def test_vit_heads_stay_aligned_and_qkv_are_sliced_separately(vit_spec):
+    compiled = compile_spec(vit_spec)
+    state = compiled.init_global_state()
+    sub = compiled["half"].extract(state)
+    full_qkv = state["blocks.0.attn.qkv.weight"]  # [3 * 4 heads * 16, 64]
+    slim_qkv = sub["blocks.0.attn.qkv.weight"]  # [3 * 4 heads * 12, 46]
+    assert slim_qkv.shape == (3 * 4 * 12, 46)
+    for part in range(3):
+        for head in range(4):
+            rows = slim_qkv[(part * 4 + head) * 12:(part * 4 + head + 1) * 12]
+            start = part * 64 + head * 16
+            assert torch.equal(rows, full_qkv[start:start + 12, :46])
+    proj = sub["blocks.0.attn.proj.weight"]
+    assert torch.equal(proj[:, 12:24], state["blocks.0.attn.proj.weight"][:46, 16:28])
+    assert "blocks.0.norm1.weight" in state  # LayerNorm shared, steps per tier
+    assert compiled["half"].load(state)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_frozen_steps_when_not_learnable():
+    spec = parse_spec({"model": "resnet20", "tiers": [{"name": "nl", "learnable_steps": False}, {"name": "l"}]})
+    compiled = compile_spec(spec)
+    frozen = [p.requires_grad for k, p in compiled["nl"].build().named_parameters() if k.endswith("step")]
+    learn = [p.requires_grad for k, p in compiled["l"].build().named_parameters() if k.endswith("step")]
+    assert frozen == [False] * 9 and learn == [True] * 9
+
+
+def test_pretrained_norm_statistics_reach_every_tier(resnet20_spec):
+    compiled = compile_spec(resnet20_spec)
+    full = compiled.create_global_model()
+    with torch.no_grad():
+        full.bn1.running_mean.copy_(torch.arange(16.0))
+    state = compiled.init_global_state(full)
+    assert torch.equal(state["bn1.running_mean@small"], torch.arange(8.0))
+    assert torch.equal(state["bn1.running_mean@full"], torch.arange(16.0))
+
+
+def test_unknown_tier_is_a_clear_error(resnet20_spec):
+    with pytest.raises(KeyError, match="no tier 'huge'; tiers: small, medium, full"):
+        compile_spec(resnet20_spec)["huge"]

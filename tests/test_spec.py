@@ -1,0 +1,115 @@
+import json
+
+import pytest
+import torch
+
+from nefl_zoo.models import create_model
+from nefl_zoo.spec import SpecError, json_schema, load_spec, parse_spec, shipped_specs_dir
+
+
+def write(tmp_path, text, name="x.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    return message.removeprefix(f"{path}: ")
+
+
+GOOD_110 = "[" + ", ".join(["1"] * 18) + "]"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("model: resnet9\ntiers: [{name: a}]", "model: unknown model 'resnet9'"),
+        ("model: resnet20\ntiers: [{name: a, gamma_w: 1.5}]", "tiers[0].gamma_w: must be in (0, 1], got 1.5"),
+        ("model: resnet20\ntiers: [{name: a, gamma_w: 0}]", "tiers[0].gamma_w: must be in (0, 1], got 0"),
+        ("model: resnet20\ntiers: [{name: a, steps: [[1,1,1],[1,1,1]]}]", "tiers[0].steps: resnet20 has 3 stages, got 2"),
+        (
+            "model: resnet110\ntiers: [{name: a}, {name: b}, {name: c, steps: [" + GOOD_110 + ", [" + ", ".join(["1"] * 17) + "], " + GOOD_110 + "]}]",
+            "tiers[2].steps[1]: resnet110 stage 2 has 18 blocks, got 17",
+        ),
+        ("model: resnet20\ntiers: [{name: a, steps: [[1,1,1],[1,-1,1],[1,1,1]]}]", "tiers[0].steps[1][1]: step must be >= 0, got -1.0"),
+        ("model: resnet20\ntiers: [{name: a, steps: [[0,0,0],[0,0,0],[0,0,0]]}]", "tiers[0].steps: every block is skipped"),
+        ("model: resnet20\ntiers: [{name: a}, {name: a, gamma_w: 0.5}]", "tiers[1].name: duplicate tier name 'a'"),
+        ("model: resnet20\ntiers: [{name: a, widht: 0.5}]", "tiers[0].widht: unknown key"),
+        ("model: resnet20\nfoo: 1\ntiers: [{name: a}]", "foo: unknown key"),
+        ("model: resnet20\ntiers: []", "tiers: List should have at least 1 item"),
+        ("tiers: [{name: a}]", "model: required key is missing"),
+        ("model: resnet20\ninconsistent: [bias]\ntiers: [{name: a}]", "inconsistent[0]: Input should be 'steps' or 'norm'"),
+        ("model: resnet20\nmodel_args: {stem: cifar}\ntiers: [{name: a}]", "model_args: "),
+        ("model: resnet20\ninconsistent: [norm]\ntiers: [{name: a, steps: [[2,1,1],[1,1,1],[1,1,1]]}]", "tiers[0].steps[0][0]: shared step sizes start at 1"),
+        ("model: [resnet20\n", "not valid YAML at line"),
+        ("- just\n- a list\n", "expected a mapping with model and tiers, got list"),
+    ],
+)
+def test_errors_name_file_field_and_expectation(tmp_path, text, expected):
+    assert error_of(tmp_path, text).startswith(expected)
+
+
+def test_missing_file_is_a_one_line_error(tmp_path):
+    with pytest.raises(SpecError, match="cannot read the file"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    text = "model: !!python/object/apply:os.system ['echo hacked']\ntiers: [{name: a}]"
+    assert "not valid YAML" in error_of(tmp_path, text)
+
+
+def test_depth_need_not_be_nested_across_tiers():
+    spec = parse_spec({"model": "resnet20", "tiers": [
+        {"name": "a", "steps": [[1, 1, 1], [0, 0, 0], [1, 1, 1]]},
+        {"name": "b", "steps": [[1, 1, 1], [1, 1, 1], [1, 0, 0]]},
+    ]})
+    assert [t.name for t in spec.tiers] == ["a", "b"]
+
+
+def test_json_schema_describes_tiers():
+    schema = json_schema()
+    json.dumps(schema)
+    assert set(schema["properties"]) == {"model", "model_args", "tiers", "inconsistent"}
+    assert "gamma_w" in schema["$defs"]["TierSpec"]["properties"]
+
+
+SHIPPED = sorted(p for p in shipped_specs_dir().glob("*/*.yaml") if p.parent.name != "train")
+
+
+def test_every_paper_table_is_shipped():
+    names = {str(p.relative_to(shipped_specs_dir()).with_suffix("")) for p in SHIPPED}
+    assert names >= {
+        "resnet18/nefl-d", "resnet18/nefl-wd", "resnet34/nefl-d", "resnet34/nefl-wd",
+        "resnet56/nefl-d", "resnet56/nefl-d_o", "resnet56/nefl-wd",
+        "resnet110/nefl-d", "resnet110/nefl-wd", "resnet110/nefl-d-g004", "resnet110/nefl-wd-g004",
+        "wide_resnet101_2/nefl-d", "vit_b_16/nefl-d", "vit_b_16/nefl-w",
+        "resnet18/nefl-w", "resnet34/nefl-w", "resnet56/nefl-w", "resnet110/nefl-w",
+    }
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_shipped_specs_load(path):
+    spec = load_spec(path)
+    assert spec.full_tier.gamma_w == 1.0
+
+
+def measured_ratios(spec):
+    def count(**kw):
+        with torch.device("meta"):
+            return sum(p.numel() for p in create_model(spec.model, **spec.model_args, **kw).parameters())
+
+    full = count()
+    return [round(count(gamma_w=t.gamma_w, steps=t.steps) / full, 3) for t in spec.tiers]
+
+
+def test_measured_ratios_match_the_reference_figures():
+    root = shipped_specs_dir()
+    assert measured_ratios(load_spec(root / "resnet56/nefl-wd.yaml")) == [0.205, 0.405, 0.621, 0.815, 1.0]
+    assert measured_ratios(load_spec(root / "resnet34/nefl-wd.yaml"))[2] == 0.559
+    assert "off its nominal gamma (0.559 vs 0.6)" in (root / "resnet34/nefl-wd.yaml").read_text()
