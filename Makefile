@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh clone:
+#   make demo   - the main job on embedded defaults (bundled data, in-process engine)
+#   make test   - the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nefl-zoo build resnet110 --gamma 0.2
+	$(BIN)/nefl-zoo profile resnet110/nefl-wd
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_slim.py
+
+clean:
+	rm -rf $(VENV) exports/*/
