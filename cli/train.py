@@ -1,0 +1,81 @@
+"""``nefl-zoo train`` and ``nefl-zoo compare``: nested federated training on the embedded engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import fail, user_errors
+
+
+def _setup(threads: int | None) -> None:
+    import logging
+
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def train(
+    config: Optional[Path] = typer.Argument(None, help="training config YAML (specs/train/*.yaml); omit with --resume"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="run directory (default: runs/NAME-METHOD-sSEED)"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory from its checkpoint"),
+    set_: List[str] = typer.Option([], "--set", help="override a config key, e.g. --set rounds=3 --set data.alpha=0.5"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary table"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in the run directory"),
+) -> None:
+    """Train one method on one configuration; write metrics, checkpoints and the global state."""
+    if config is None and resume is None:
+        raise fail("give a CONFIG file or --resume RUN_DIR")
+    _setup(threads)
+    from nefl_zoo.fl.config import ConfigError, apply_overrides, load_config, parse_config
+    from nefl_zoo.fl.engine import Engine, resume_config
+    from nefl_zoo.spec import SpecError
+
+    with user_errors(ConfigError, SpecError):
+        if resume is not None:
+            saved = resume_config(resume).to_dict()
+            cfg = parse_config(apply_overrides(saved, set_, str(resume)), str(resume))
+            run_dir = resume
+        else:
+            cfg = load_config(config, set_)
+            run_dir = out or Path("runs") / f"{cfg.name}-{cfg.method}-s{cfg.seed}"
+        engine = Engine(cfg, run_dir, progress=not quiet)
+        engine.run(resume=resume is not None, overwrite=overwrite)
+
+
+def compare(
+    config: Path = typer.Argument(..., help="training config YAML shared by every method"),
+    methods: str = typer.Option("nefl,fjord,heterofl,depthfl", "--methods", help="comma-separated methods"),
+    seeds: int = typer.Option(3, "--seeds", min=1, help="seeds per method (config seed, +1, ...)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default: runs/compare-NAME)"),
+    set_: List[str] = typer.Option([], "--set", help="override a config key for every run"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
+) -> None:
+    """Run several methods x seeds on one setup; write results.md (Table 1 layout) and a plot."""
+    _setup(threads)
+    from nefl_zoo.fl.compare import compare_methods
+    from nefl_zoo.fl.config import METHODS, ConfigError, load_config
+    from nefl_zoo.spec import SpecError
+
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if not names or unknown:
+        raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
+    with user_errors(ConfigError, SpecError):
+        cfg = load_config(config, set_)
+    result = compare_methods(cfg, names, seeds, out or Path("runs") / f"compare-{cfg.name}", progress=not quiet)
+    typer.echo(result.markdown)
+    typer.echo(f"wrote {result.results_md} and {result.plot}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train`` and ``compare`` to the ``nefl-zoo`` app."""
+    app.command("train")(train)
+    app.command("compare")(compare)

@@ -1,0 +1,95 @@
+"""Server aggregation as pure functions over state dicts and slice maps.
+
+Every client update carries the mapping (submodel key -> :class:`~nefl_zoo.slim.SliceEntry`)
+of the tensors it trained. :func:`nefedavg` averages every element of the global state over the
+updates whose entries contain it, so one function covers both rules of the paper:
+
+* consistent tensors (shared, stored once at full size): NeFedAvg, an element averaged over
+  every client whose submodel holds it;
+* inconsistent tensors (``KEY@TIER``: step sizes, norms): only clients of that tier hold them,
+  so the same rule is FedAvg per tier.
+
+Elements no accepted update holds keep their previous value (the paper's code zeroes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from ..slim import SliceEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """One client's returned tensors, where they live globally and the client's weight."""
+
+    entries: Mapping[str, SliceEntry]
+    state: Mapping[str, torch.Tensor]
+    weight: float = 1.0
+    client: int | str = field(default="?")
+
+
+def check_update(update: Update) -> str | None:
+    """Why ``update`` cannot be aggregated (missing/extra keys, wrong shape, NaN/Inf), or ``None``."""
+    if not (math.isfinite(update.weight) and update.weight > 0):
+        return f"weight {update.weight} is not a positive number"
+    missing = update.entries.keys() - update.state.keys()
+    if missing:
+        return f"missing tensors: {', '.join(sorted(missing)[:3])}"
+    extra = update.state.keys() - update.entries.keys()
+    if extra:
+        return f"unexpected tensors: {', '.join(sorted(extra)[:3])}"
+    for key, entry in update.entries.items():
+        tensor = update.state[key]
+        if tuple(tensor.shape) != tuple(entry.shape):
+            return f"{key}: shape {tuple(tensor.shape)}, expected {tuple(entry.shape)}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{key}: contains NaN or Inf"
+    return None
+
+
+def nefedavg(
+    global_state: Mapping[str, torch.Tensor], updates: list[Update]
+) -> tuple[dict[str, torch.Tensor], list[tuple[int | str, str]]]:
+    """Nested federated averaging of ``updates`` into a new global state.
+
+    Returns ``(new_state, rejected)`` where ``rejected`` lists ``(client, reason)`` for updates
+    that failed :func:`check_update` (they are logged and left out; the round goes on). Tensors no
+    update touches are returned as the same objects; touched ones are new tensors.
+    """
+    rejected: list[tuple[int | str, str]] = []
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    for update in updates:
+        reason = check_update(update)
+        if reason is not None:
+            log.warning("client %s: update rejected: %s", update.client, reason)
+            rejected.append((update.client, reason))
+            continue
+        for key, entry in update.entries.items():
+            gk = entry.global_key
+            if gk not in sums:
+                current = global_state[gk]
+                dtype = current.dtype if current.is_floating_point() else torch.float64
+                sums[gk] = torch.zeros(current.shape, dtype=dtype)
+                counts[gk] = torch.zeros(current.shape, dtype=dtype)
+            entry.add_(sums[gk], update.state[key].to(sums[gk].dtype) * update.weight)
+            entry.add_(counts[gk], update.weight)
+    new_state = dict(global_state)
+    for gk, total in sums.items():
+        count = counts[gk]
+        held = count > 0
+        mean = total / count.clamp_min(torch.finfo(count.dtype).tiny)
+        current = global_state[gk]
+        if not current.is_floating_point():
+            mean = mean.round()
+        new_state[gk] = torch.where(held, mean.to(current.dtype), current)
+    return new_state, rejected
+

@@ -1,0 +1,78 @@
+"""Local training and evaluation as plain functions (a Flower ClientApp can call them as is)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .config import TrainConfig
+from .methods.base import LocalModel
+
+
+@dataclass
+class ClientResult:
+    """What a client returns: its trained tensors, its sample count and training metrics."""
+
+    state: dict[str, torch.Tensor]
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
+    """Learning rate of round ``round_index`` (0-based) of ``rounds``.
+
+    ``step``: x0.1 from T/2 and again from 3T/4 (the paper's); ``cosine``: linear warm-up over
+    ``warmup_rounds`` then cosine decay to 0; ``constant``.
+    """
+    if cfg.schedule == "step":
+        return cfg.lr * 0.1 ** ((round_index >= rounds / 2) + (round_index >= 3 * rounds / 4))
+    if cfg.schedule == "cosine":
+        if round_index < cfg.warmup_rounds:
+            return cfg.lr * (round_index + 1) / cfg.warmup_rounds
+        span = max(1, rounds - cfg.warmup_rounds)
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (round_index - cfg.warmup_rounds) / span))
+    return cfg.lr
+
+
+def fit(local: LocalModel, dataset: Dataset, cfg: TrainConfig, lr: float, seed: int) -> ClientResult:
+    """Train ``local`` for ``cfg.local_epochs`` epochs of SGD on ``dataset``.
+
+    All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
+    global RNG state is left untouched, so results do not depend on what ran before.
+    """
+    params = [p for p in local.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    total_loss, correct, seen = 0.0, 0, 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        local.train()
+        for _ in range(cfg.local_epochs):
+            for x, y in loader:
+                if len(y) < 2:  # BatchNorm cannot train on a single sample
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss, logits = local.loss(x, y)
+                loss.backward()
+                if cfg.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                optimizer.step()
+                total_loss += float(loss.detach()) * len(y)
+                correct += int((logits.argmax(1) == y).sum())
+                seen += len(y)
+    metrics = {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1)}
+    return ClientResult(local.state(), len(dataset), metrics)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
+    """Top-1 accuracy of ``model`` (in eval mode) on ``dataset``."""
+    model.eval()
+    correct = total = 0
+    for x, y in DataLoader(dataset, batch_size=batch_size):
+        correct += int((model(x).argmax(1) == y).sum())
+        total += len(y)
+    return correct / max(total, 1)

@@ -1,0 +1,102 @@
+"""Run several methods x seeds on one setup; tabulate worst/avg accuracy and plot it vs MACs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import RunConfig
+from .engine import Engine, RunResult
+from .methods import build_method
+
+LABELS = {
+    "nefl": "NeFL", "heterofl": "HeteroFL", "fjord": "FjORD", "depthfl": "DepthFL",
+    "fedavg": "FedAvg (full model)", "fedavg_min": "FedAvg (smallest model)", "fedavg_full": "FedAvg (full-model clients)",
+}
+
+
+@dataclass
+class Comparison:
+    """Per method, the runs' results; plus the files written."""
+
+    runs: dict[str, list[RunResult]]
+    markdown: str
+    results_md: Path
+    plot: Path
+
+
+def _mean_std(values: list[float]) -> str:
+    a = 100 * np.asarray(values)
+    return f"{a.mean():.2f} ± {a.std(ddof=1) if len(a) > 1 else 0.0:.2f}"
+
+
+def results_table(config: RunConfig, runs: dict[str, list[RunResult]]) -> str:
+    """A markdown table in the layout of the NeFL paper's Table 1 (worst and avg accuracy)."""
+    spec = config.submodel_spec()
+    seeds = len(next(iter(runs.values())))
+    lines = [
+        f"Top-1 accuracy (%) of the worst-case submodel and the average over submodels, mean ± std over "
+        f"{seeds} seed(s); {config.data.dataset}, {config.data.partition}, {config.rounds} rounds, "
+        f"{config.clients.num_clients} clients x {config.clients.fraction}.",
+        "",
+        "| Model | Method | Worst | Avg |",
+        "|---|---|---|---|",
+    ]
+    for method, results in runs.items():
+        lines.append(f"| {spec.model} | {LABELS[method]} | {_mean_std([r.worst for r in results])} | {_mean_std([r.avg for r in results])} |")
+    lines += ["", "Per submodel (mean over seeds):", "", "| Method | " + "submodel: accuracy |", "|---|---|"]
+    for method, results in runs.items():
+        cells = ", ".join(f"{t}: {100 * np.mean([r.acc[t] for r in results]):.2f}" for t in results[0].acc)
+        lines.append(f"| {LABELS[method]} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def _macs(config: RunConfig, method: str) -> dict[str, int]:
+    from ..profile import profile_tiers
+
+    compiled = build_method(config.model_copy(update={"method": method}), config.submodel_spec()).compiled
+    return {p.name: p.macs for p in profile_tiers(compiled)}
+
+
+def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], path: Path) -> None:
+    """Accuracy of every submodel against its MACs, one line per method (mean ± std over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, results in runs.items():
+        macs = _macs(config, method)
+        tiers = sorted(results[0].acc, key=macs.__getitem__)
+        acc = np.array([[100 * r.acc[t] for t in tiers] for r in results])
+        x = [macs[t] / 1e6 for t in tiers]
+        ax.errorbar(x, acc.mean(0), yerr=acc.std(0), marker="o", capsize=3, label=LABELS[method])
+    ax.set_xlabel("MACs per image (millions)")
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_title(f"{config.submodel_spec().model} on {config.data.dataset}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare_methods(config: RunConfig, methods: list[str], seeds: int, out: str | Path, progress: bool = False) -> Comparison:
+    """Train every method with seeds ``config.seed .. config.seed + seeds - 1`` into ``out``."""
+    out = Path(out)
+    runs: dict[str, list[RunResult]] = {}
+    for method in methods:
+        runs[method] = []
+        for s in range(seeds):
+            cfg = config.model_copy(update={"method": method, "seed": config.seed + s})
+            runs[method].append(Engine(cfg, out / method / f"seed{cfg.seed}", progress).run(overwrite=True))
+    markdown = results_table(config, runs)
+    results_md, plot = out / "results.md", out / "accuracy_vs_macs.png"
+    results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n![accuracy vs MACs]({plot.name})\n")
+    (out / "results.json").write_text(json.dumps({m: [r.__dict__ for r in rs] for m, rs in runs.items()}, indent=2))
+    plot_accuracy_vs_macs(config, runs, plot)
+    return Comparison(runs, markdown, results_md, plot)

@@ -1,0 +1,226 @@
+"""Datasets and their partition over clients.
+
+``digits`` (scikit-learn's 1,797 real 8x8 digit images, bundled, so it works offline) is resized
+to the model's input. CIFAR-10/100 and SVHN are read from ``root`` in their standard formats with
+torchvision's loaders, CINIC-10 and any ``imagefolder`` from ``root/train`` and ``root/test``
+class folders. Training augmentation and normalisation follow the NeFL appendix: random crop
+(padding 4; SVHN 2) and horizontal flip (SVHN: colour jitter instead, digits: crop only).
+Partitions (IID, Dirichlet label skew, label shards) are seeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset
+
+from .config import DataConfig
+
+# (mean, std) per dataset; SVHN's are the NeFL appendix's.
+NORMALIZATION = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "svhn": ((0.4376821, 0.4437697, 0.47280442), (0.19803012, 0.20101562, 0.19703614)),
+    "cinic10": ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+EXPECTED_FILES = {
+    "cifar10": "cifar-10-batches-py/data_batch_1..5 and test_batch",
+    "cifar100": "cifar-100-python/train and test",
+    "svhn": "train_32x32.mat and test_32x32.mat",
+    "cinic10": "train/<class>/*.png and test/<class>/*.png",
+    "imagefolder": "train/<class>/<images> and test/<class>/<images> (or val/)",
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset is missing from its folder; the message names the folder and expected files."""
+
+
+@dataclass
+class FederatedData:
+    """Train/test sets and each client's training indices."""
+
+    train: Dataset  # with training augmentation
+    train_eval: Dataset  # the same images without augmentation (static BN statistics)
+    test: Dataset
+    targets: np.ndarray  # training labels
+    num_classes: int
+    partitions: list[np.ndarray]
+
+    def client_dataset(self, client: int) -> Subset:
+        """The training samples of one client."""
+        return Subset(self.train, self.partitions[client].tolist())
+
+
+class TensorImages(Dataset):
+    """Images held in memory as a float tensor ``(N, C, H, W)`` with an optional transform."""
+
+    def __init__(self, images: torch.Tensor, labels: np.ndarray, transform=None):
+        self.images, self.labels, self.transform = images, torch.as_tensor(labels), transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i]
+        return (self.transform(x) if self.transform else x), self.labels[i]
+
+
+class _Transformed(Dataset):
+    """A dataset (torchvision's) with a transform applied to its images."""
+
+    def __init__(self, base: Dataset, transform):
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return self.transform(x), y
+
+
+def _digits(input_size: tuple[int, int, int], test_fraction: float, augment: bool):
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from torchvision.transforms import v2
+
+    channels, h, w = input_size
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(h, w), mode="bilinear", align_corners=False)
+    images = images.expand(-1, channels, -1, -1).contiguous()
+    idx_train, idx_test = train_test_split(
+        np.arange(len(images)), test_size=test_fraction, stratify=bunch.target, random_state=0
+    )
+    mean, std = images[idx_train].mean(), images[idx_train].std()
+    images = (images - mean) / std
+    crop = v2.RandomCrop((h, w), padding=max(1, h // 8)) if augment else None
+    targets = bunch.target[idx_train]
+    return (
+        TensorImages(images[idx_train], targets, crop),
+        TensorImages(images[idx_train], targets),
+        TensorImages(images[idx_test], bunch.target[idx_test]),
+        targets,
+        10,
+    )
+
+
+def _transforms(name: str, input_size: tuple[int, int, int], augment: bool):
+    from torchvision.transforms import v2
+
+    _, h, w = input_size
+    mean, std = NORMALIZATION[name]
+    base = [v2.ToImage(), v2.Resize((h, w), antialias=True)]
+    tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    aug: list = []
+    if augment and name == "svhn":
+        aug = [v2.RandomCrop((h, w), padding=2), v2.ColorJitter(brightness=63 / 255, saturation=(0.5, 1.5), contrast=(0.2, 1.8))]
+    elif augment:
+        aug = [v2.RandomCrop((h, w), padding=4), v2.RandomHorizontalFlip()]
+    return v2.Compose(base + aug + tail), v2.Compose(base + tail)
+
+
+def _missing(name: str, root: Path) -> DatasetNotFoundError:
+    return DatasetNotFoundError(
+        f"{name} not found in {root}: expected {EXPECTED_FILES[name]}"
+        + ("" if name in ("cinic10", "imagefolder") else " (or set data.download: true with a network)")
+    )
+
+
+def _torchvision(name: str, root: Path, download: bool):
+    from torchvision import datasets
+
+    try:
+        if name == "cifar10":
+            return datasets.CIFAR10(root, train=True, download=download), datasets.CIFAR10(root, train=False, download=download), 10
+        if name == "cifar100":
+            return datasets.CIFAR100(root, train=True, download=download), datasets.CIFAR100(root, train=False, download=download), 100
+        if name == "svhn":
+            return datasets.SVHN(root, split="train", download=download), datasets.SVHN(root, split="test", download=download), 10
+    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
+        if "not found" in str(exc).lower() or "corrupt" in str(exc).lower():
+            raise _missing(name, root) from None
+        raise
+    except OSError as exc:  # download without a network
+        raise DatasetNotFoundError(f"{name}: cannot download into {root} ({exc})") from None
+    test_dir = root / "test" if (root / "test").is_dir() else root / "val"
+    if not (root / "train").is_dir() or not test_dir.is_dir():
+        raise _missing(name, root)
+    try:
+        train, test = datasets.ImageFolder(root / "train"), datasets.ImageFolder(test_dir)
+    except FileNotFoundError as exc:
+        raise DatasetNotFoundError(f"{name} in {root}: {str(exc).splitlines()[0]}") from None
+    if train.classes != test.classes:
+        raise DatasetNotFoundError(f"{name} in {root}: train and {test_dir.name} have different class folders")
+    return train, test, len(train.classes)
+
+
+def _targets(dataset) -> np.ndarray:
+    for attr in ("targets", "labels"):
+        if hasattr(dataset, attr):
+            return np.asarray(getattr(dataset, attr))
+    raise TypeError(f"{type(dataset).__name__} has no targets")
+
+
+def partition(
+    targets: np.ndarray, num_clients: int, scheme: str, seed: int, alpha: float = 0.5, shards_per_client: int = 2
+) -> list[np.ndarray]:
+    """Split sample indices over clients: ``iid``, ``dirichlet`` (label skew) or ``shards``."""
+    rng = np.random.default_rng(seed)
+    n = len(targets)
+    if num_clients > n:
+        raise ValueError(f"{num_clients} clients but only {n} training samples")
+    if scheme == "iid":
+        return [np.sort(p) for p in np.array_split(rng.permutation(n), num_clients)]
+    if scheme == "shards":
+        num_shards = num_clients * shards_per_client
+        if num_shards > n:
+            raise ValueError(f"{num_shards} shards but only {n} training samples")
+        order = np.argsort(targets, kind="stable")
+        shards = np.array_split(order, num_shards)
+        pick = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
+        return [np.sort(np.concatenate([shards[s] for s in row])) for row in pick]
+    if scheme == "dirichlet":
+        return _dirichlet(targets, num_clients, alpha, rng)
+    raise ValueError(f"unknown partition {scheme!r}")
+
+
+def _dirichlet(targets: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Per class, shares over clients drawn from Dir(alpha); redrawn until no client is tiny."""
+    n = len(targets)
+    min_size = max(1, min(10, n // (2 * num_clients)))
+    for _ in range(1000):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for label in np.unique(targets):
+            idx = rng.permutation(np.flatnonzero(targets == label))
+            shares = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+            for client, chunk in enumerate(np.split(idx, cuts)):
+                parts[client].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    raise ValueError(f"Dirichlet(alpha={alpha}) left a client with fewer than {min_size} samples; use fewer clients")
+
+
+def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int) -> FederatedData:
+    """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it."""
+    channels = input_size[0]
+    if cfg.dataset == "digits":
+        train, train_eval, test, targets, num_classes = _digits(input_size, cfg.test_fraction, cfg.augment)
+    else:
+        if channels != 3:
+            raise ValueError(f"{cfg.dataset} images have 3 channels but the model takes {channels} (spec model_args.in_chans)")
+        base_train, base_test, num_classes = _torchvision(cfg.dataset, Path(root), cfg.download)
+        t_train, t_plain = _transforms(cfg.dataset, input_size, cfg.augment)
+        train, train_eval, test = _Transformed(base_train, t_train), _Transformed(base_train, t_plain), _Transformed(base_test, t_plain)
+        targets = _targets(base_train)
+    if cfg.max_test_samples is not None and cfg.max_test_samples < len(test):
+        test = Subset(test, list(range(cfg.max_test_samples)))
+    parts = partition(targets, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
+    return FederatedData(train, train_eval, test, targets, num_classes, parts)

@@ -1,0 +1,124 @@
+"""FjORD: Ordered Dropout over nested widths, per-width BN, optional self-distillation."""
+
+from __future__ import annotations
+
+import random
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...slim import SliceEntry, tier_key
+from ...spec import SubmodelSpec
+from .base import Assignment, LocalModel, Method, load_entries
+from .heterofl import width_spec
+
+
+def _positions(index) -> torch.Tensor:
+    return torch.arange(index.start or 0, index.stop) if isinstance(index, slice) else index
+
+
+def nested_entry(inner: SliceEntry, outer: SliceEntry, key: str) -> SliceEntry:
+    """Where ``inner``'s region of a global tensor lies inside ``outer``'s region of it.
+
+    Both entries index the same global tensor; the result indexes the tensor that ``outer``
+    gathers, so a narrower submodel's tensors are views of a wider submodel's.
+    """
+    if not inner.index:
+        return SliceEntry(key, (), inner.shape, inner.kind, inner.consistent)
+    dims = []
+    for i, o in zip(inner.index, outer.index):
+        ip, op = _positions(i), _positions(o)
+        lookup = torch.full((int(max(ip.max(), op.max())) + 1,), -1, dtype=torch.long)
+        lookup[op] = torch.arange(len(op))
+        rel = lookup[ip]
+        if bool((rel < 0).any()):
+            raise ValueError(f"{key}: the narrower region is not inside the wider one")
+        dims.append(slice(0, len(rel)) if torch.equal(rel, torch.arange(len(rel))) else rel)
+    return SliceEntry(key, tuple(dims), inner.shape, inner.kind, inner.consistent)
+
+
+class _OrderedDropoutLocal(LocalModel):
+    """The client's widest submodel plus, per narrower width, its own norms and step sizes.
+
+    Every batch samples one width p of the client's set; a narrower width runs its slim module
+    with the shared weights taken as views of the widest module's (the first ceil(pK) units),
+    so its gradients land in the widest module's tensors.
+    """
+
+    def __init__(self, method: "FjORD", assignment: Assignment, state: Mapping[str, torch.Tensor], kd: bool):
+        super().__init__()
+        compiled, top = method.compiled, assignment.tier
+        self.net = compiled[top].build()
+        load_entries(self.net, {k: v for k, v in state.items() if k in compiled[top].slice_map})
+        self.widths = [t for t in assignment.tiers if t != top]
+        self.narrow = nn.ModuleList()
+        self.views: list[dict[str, SliceEntry]] = []
+        top_map = compiled[top].slice_map
+        for tier in self.widths:
+            sub = compiled[tier].build()
+            own = {k: state[tier_key(k, tier)] for k, e in compiled[tier].slice_map.items() if not e.consistent}
+            views = {k: nested_entry(e, top_map[k], k) for k, e in compiled[tier].slice_map.items() if e.consistent}
+            load_entries(sub, own, unused=views)
+            for name, p in sub.named_parameters():
+                if name in views:
+                    p.requires_grad_(False)  # replaced by views of the widest module's tensors
+            self.narrow.append(sub)
+            self.views.append(views)
+        self.kd = kd
+
+    def _narrow_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        top = dict(self.net.named_parameters()) | dict(self.net.named_buffers())
+        shared = {k: e.gather(top[k]) for k, e in self.views[i].items()}
+        return torch.func.functional_call(self.narrow[i], shared, (x,))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def loss(self, x, y):
+        i = int(torch.randint(len(self.widths) + 1, ()))
+        if i == len(self.widths):
+            logits = self.net(x)
+            return F.cross_entropy(logits, y), logits
+        logits = self._narrow_forward(i, x)
+        loss = F.cross_entropy(logits, y)
+        if self.kd:
+            with torch.no_grad():
+                teacher = self.net(x)
+            loss = loss + F.kl_div(F.log_softmax(logits, 1), F.softmax(teacher, 1), reduction="batchmean")
+        return loss, logits
+
+    def state(self):
+        out = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        for tier, sub, views in zip(self.widths, self.narrow, self.views):
+            out.update({tier_key(k, tier): v.detach().clone() for k, v in sub.state_dict().items() if k not in views})
+        return out
+
+
+class FjORD(Method):
+    """FjORD (Horvath et al.): a client's maximum width is the largest its environment allows;
+    every local batch trains a width p <= max sampled from the allowed widths, with separate
+    BN per width; ``train.kd`` adds self-distillation from the maximum width (alpha = T = 1)."""
+
+    name = "fjord"
+
+    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
+        return width_spec(spec, ["steps", "norm"])
+
+    def assign(self, allowed: list[str], rng: random.Random) -> Assignment | None:
+        top = self.largest(allowed)
+        widths = tuple(t for t in self.tier_names if t in allowed and self.level_size[t] <= self.level_size[top])
+        return Assignment(top, widths)
+
+    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
+        out: dict[str, SliceEntry] = dict(self.compiled[assignment.tier].slice_map)
+        for tier in assignment.tiers:
+            if tier != assignment.tier:
+                for k, e in self.compiled[tier].slice_map.items():
+                    if not e.consistent:
+                        out[tier_key(k, tier)] = e
+        return out
+
+    def local_model(self, assignment, state):
+        return _OrderedDropoutLocal(self, assignment, state, self.config.train.kd)

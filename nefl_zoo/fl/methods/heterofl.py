@@ -1,0 +1,87 @@
+"""HeteroFL: width-only submodels, a fixed width per client, static BN and the width scaler."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ...slim import SliceEntry
+from ...spec import SubmodelSpec, TierSpec
+from .base import Assignment, Method, SubmodelLocal, load_entries
+
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:
+    """Width-only tiers with the parameter ratios of ``spec``'s tiers and fixed step sizes."""
+    tiers = [
+        TierSpec(name=t.name, gamma_w=t.gamma if t.gamma is not None else t.gamma_w, learnable_steps=False, gamma=t.gamma)
+        for t in spec.tiers
+    ]
+    return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=inconsistent)
+
+
+class _ScaledLocal(SubmodelLocal):
+    """A slim submodel with static BN whose convolution outputs are divided by the width rate
+    in training; it uploads everything but the (untouched) BN running statistics."""
+
+    def __init__(self, net: nn.Module, rate: float):
+        super().__init__(net)
+        for module in net.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.track_running_stats = False  # static BN: batch statistics only
+            if isinstance(module, nn.Conv2d):
+                module.register_forward_hook(lambda m, i, out: out / rate if m.training else out)
+
+    def state(self):
+        return {k: v for k, v in super().state().items() if not k.endswith(_STATS)}
+
+
+class HeteroFL(Method):
+    """HeteroFL (Diao et al.): shared BN affine, static BN, scaler, count-averaged slices.
+
+    A client trains the width its environment gives it (``environment: fixed``: one width per
+    client, HeteroFL's static setting; ``dynamic``: a random allowed width each round, as in
+    HeteroFL's dynamic experiments and NeFL's comparison, so every width is trained). BN running
+    statistics are not trained or sent; before evaluation they are recomputed on training
+    batches (``eval.bn_recompute_batches``) without the scaler, as at test time.
+    """
+
+    name = "heterofl"
+
+    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
+        return width_spec(spec, ["steps"])
+
+    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
+        slice_map = self.compiled[assignment.tier].slice_map
+        return {k: e for k, e in slice_map.items() if not k.endswith(_STATS)}
+
+    def _rate(self, tier: str) -> float:
+        return math.sqrt(self.compiled[tier].tier.gamma_w)
+
+    def local_model(self, assignment, state):
+        net = self.compiled[assignment.tier].build()
+        load_entries(net, state)
+        return _ScaledLocal(net, self._rate(assignment.tier))
+
+    def eval_model(self, global_state, tier, bn_batches=None):
+        net = self.compiled[tier].load(global_state)
+        if bn_batches is not None:
+            recompute_bn(net, bn_batches)
+        return net.eval()
+
+
+@torch.no_grad()
+def recompute_bn(net: nn.Module, batches) -> None:
+    """Static BN: reset every BN's statistics and recompute them as a cumulative average."""
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    net.train()
+    for x, _ in batches:
+        net(x)
+    net.eval()

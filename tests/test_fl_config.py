@@ -1,0 +1,81 @@
+"""Training configs: the shipped files load, overrides apply, bad input gives one-line errors."""
+
+from pathlib import Path
+
+import pytest
+
+from nefl_zoo.fl.config import ConfigError, load_config, parse_config
+from nefl_zoo.fl.client import learning_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 0.5}, {"name": "b"}]}
+
+
+@pytest.mark.parametrize("name", ["digits-quick", "cifar10-iid-resnet18", "cifar10-noniid-resnet18"])
+def test_shipped_configs_load(name):
+    config = load_config(ROOT / "specs" / "train" / f"{name}.yaml")
+    assert len(config.submodel_spec().tiers) == 5
+    if name.startswith("cifar10"):
+        assert (config.rounds, config.clients.num_clients, config.clients.fraction) == (500, 100, 0.1)
+        assert (config.train.local_epochs, config.train.batch_size, config.train.lr) == (5, 32, 0.1)
+        assert config.train.schedule == "step" and config.train.momentum == 0 and config.train.weight_decay == 0
+        assert config.data.partition == ("dirichlet" if "noniid" in name else "iid")
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config(ROOT / "specs/train/digits-quick.yaml",
+                         ["rounds=3", "data.alpha=0.25", "data.partition=dirichlet", "train.grad_clip=5", "method=fjord"])
+    assert config.rounds == 3 and config.data.alpha == 0.25 and config.train.grad_clip == 5.0
+    assert config.method == "fjord" and config.data.partition == "dirichlet"
+
+
+@pytest.mark.parametrize(
+    "data, field, words",
+    [
+        ({"spec": SPEC, "roundz": 3}, "roundz", "unknown key"),
+        ({"spec": SPEC, "method": "fedprox"}, "method", "nefl"),
+        ({"spec": SPEC, "rounds": 0}, "rounds", "greater than"),
+        ({"spec": SPEC, "train": {"schedule": "linear"}}, "train.schedule", "step"),
+        ({"spec": SPEC, "data": {"alpha": -1}}, "data.alpha", "greater than"),
+        ({}, "spec", "missing"),
+        ({"spec": {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 2}]}}, "spec.tiers[0].gamma_w", "(0, 1]"),
+        ({"spec": SPEC, "clients": {"groups": [["a"], ["zz"]]}}, "clients.groups[1]", "unknown tier 'zz'"),
+    ],
+)
+def test_config_errors_name_the_field(data, field, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "cfg.yaml")
+    message = str(info.value)
+    assert message.startswith(f"cfg.yaml: {field}: ") and words in message and "\n" not in message
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    ref = tmp_path / "ref.yaml"
+    ref.write_text("spec: missing-spec.yaml\n")
+    with pytest.raises(ConfigError, match=r"ref.yaml: spec: .*missing-spec.yaml: cannot read"):
+        load_config(ref)
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(ROOT / "specs/train/digits-quick.yaml", ["rounds"])
+
+
+def test_relative_spec_path_is_resolved_against_the_config(tmp_path):
+    (tmp_path / "s.yaml").write_text("model: resnet20\ntiers: [{name: only}]\n")
+    (tmp_path / "c.yaml").write_text("spec: s.yaml\nrounds: 2\n")
+    config = load_config(tmp_path / "c.yaml")
+    assert config.submodel_spec().tiers[0].name == "only"
+    assert config.to_dict()["spec"]["model"] == "resnet20"
+
+
+def test_learning_rate_schedules():
+    step = parse_config({"spec": SPEC}).train
+    assert [learning_rate(step, r, 8) for r in (0, 3, 4, 5, 6, 7)] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+    cosine = parse_config({"spec": SPEC, "train": {"schedule": "cosine", "warmup_rounds": 2}}).train
+    lrs = [learning_rate(cosine, r, 10) for r in range(10)]
+    assert lrs[0] == pytest.approx(0.05) and lrs[1] == pytest.approx(0.1) and lrs[2] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 0.01
