@@ -14,8 +14,12 @@ app = typer.Typer(
 )
 
 from . import zoo  # noqa: E402  (registers models, specs, schema, build, profile)
+from . import export  # noqa: E402  (registers export, select, predict, bench-tiers)
+from . import train  # noqa: E402  (registers train, compare)
 
 zoo.register(app)
+export.register(app)
+train.register(app)
 
 
 def main() -> None:

@@ -1,0 +1,168 @@
+"""`nefl-zoo export / select / predict / bench-tiers`: outputs and exit codes."""
+
+import json
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import yaml
+from PIL import Image
+from typer.testing import CliRunner
+
+from nefl_zoo.manifest import load_manifest
+from nefl_zoo_cli.app import app
+
+runner = CliRunner()
+
+SPEC = {
+    "model": "resnet20",
+    "tiers": [
+        {"name": "g0.25", "gamma_w": 0.25, "steps": [[1, 0, 1], [0, 1, 1], [1, 1, 0]]},
+        {"name": "g0.5", "gamma_w": 0.5},
+        {"name": "g1", "gamma": 1.0},
+    ],
+}
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, code, message):
+    assert result.exit_code == code, result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "resnet20.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    return path
+
+
+@pytest.fixture(scope="module")
+def export_dir(spec_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports") / "resnet20"
+    result = invoke("export", spec_file, "--out", out, "--tiers", "g0.25,g1", "--dataset", "cifar10", "--latency-runs", "2")
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out / 'manifest.json'}" in result.stdout
+    return out
+
+
+@pytest.fixture
+def image(tmp_path):
+    path = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_export_writes_only_the_requested_tiers(export_dir):
+    manifest = load_manifest(export_dir)
+    assert [t.name for t in manifest.tiers] == ["g0.25", "g1"]
+    assert sorted(p.name for p in export_dir.iterdir()) == ["g0.25.onnx", "g1.onnx", "manifest.json"]
+    assert manifest.class_names[0] == "airplane"
+
+
+def test_export_with_a_fixed_batch(spec_file, tmp_path, image):
+    out = tmp_path / "fixed"
+    result = invoke("export", spec_file, "--out", out, "--tiers", "g0.25", "--no-batch-dynamic", "--batch", "2", "--latency-runs", "1")
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(out)
+    assert manifest.input.batch == 2 and manifest.tiers[0].latency.batch == 2
+    session = ort.InferenceSession(str(out / "g0.25.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == [2, 3, 32, 32]
+    result = invoke("predict", out, image, image, image, "--top-k", "1")  # 3 images: padded to 2 + 2
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("(tier g0.25):") == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tiers", "g0.25,huge"], "unknown tier 'huge'; tiers: g0.25, g0.5, g1"),
+        (["--dataset", "mnist"], "--dataset: unknown 'mnist'; one of cifar10"),
+        (["--batch", "0"], "--batch: must be >= 1"),
+        (["--opset", "17"], "opset: the torch.export-based exporter writes opset 18 or later, got 17"),
+    ],
+)
+def test_export_bad_options(spec_file, tmp_path, args, message):
+    assert_one_line_error(invoke("export", spec_file, "--out", tmp_path / "x", *args), 2, message)
+    assert not (tmp_path / "x" / "manifest.json").exists()
+
+
+def test_export_bad_sources(tmp_path):
+    assert_one_line_error(invoke("export", tmp_path / "nope.yaml", "--out", tmp_path / "x"), 2, "no such spec file")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: resnet20\ntiers: [{name: a, gamma_w: 2}]\n")
+    assert_one_line_error(invoke("export", bad, "--out", tmp_path / "x"), 2, "tiers[0].gamma_w: must be in (0, 1]")
+    assert_one_line_error(invoke("export", tmp_path, "--out", tmp_path / "x"), 2, "spec.yaml: missing")
+
+
+def test_select_prints_the_tier_and_why(export_dir):
+    small_macs = load_manifest(export_dir).tier("g0.25").macs
+    result = invoke("select", export_dir / "manifest.json", "--max-macs", small_macs, "--json")
+    assert result.exit_code == 0, result.output
+    choice = json.loads(result.stdout)
+    assert choice["tier"] == "g0.25" and choice["fitting"] == ["g0.25"]
+    result = invoke("select", export_dir, "--max-params", 1e9)
+    assert result.exit_code == 0 and result.stdout.startswith("g1: largest")
+
+
+def test_select_exit_codes(export_dir, tmp_path):
+    assert_one_line_error(invoke("select", export_dir, "--latency-ms", 1e-9), 1, "no tier fits latency <= 1e-09 ms")
+    assert_one_line_error(invoke("select", tmp_path / "missing.json"), 2, "cannot read the manifest")
+    future = tmp_path / "manifest.json"
+    future.write_text(json.dumps(json.loads((export_dir / "manifest.json").read_text()) | {"schema_version": 9}))
+    assert_one_line_error(invoke("select", future), 2, "schema_version: unsupported version 9")
+
+
+def test_predict_prints_top_k_classes(export_dir, image):
+    result = invoke("predict", export_dir, image, "--tier", "g0.25", "--top-k", "3")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{image} (tier g0.25):" and len(lines) == 4
+    probs = [float(line.split()[0]) for line in lines[1:]]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-6
+    classes = load_manifest(export_dir).class_names
+    assert all(line.split()[1] in classes for line in lines[1:])
+    auto = invoke("predict", export_dir, image)
+    assert auto.exit_code == 0 and auto.stdout.startswith(f"{image} (tier g1):")
+    assert len(auto.stdout.splitlines()) == 6
+
+
+@pytest.mark.parametrize(
+    "size, mode, message",
+    [
+        ((28, 32), "RGB", "image is 28x32 RGB; the model takes 32x32 RGB"),
+        ((32, 32), "RGBA", "image is 32x32 RGBA; the model takes 32x32 RGB"),
+        ((32, 32), "L", "image is 32x32 L"),
+    ],
+)
+def test_predict_refuses_wrong_size_or_mode(export_dir, tmp_path, size, mode, message):
+    path = tmp_path / "wrong.png"
+    Image.new(mode, size).save(path)
+    assert_one_line_error(invoke("predict", export_dir, path), 2, message)
+
+
+def test_predict_refuses_unreadable_images_and_unknown_tiers(export_dir, tmp_path, image):
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    assert_one_line_error(invoke("predict", export_dir, text), 2, "notes.png: not a readable image")
+    assert_one_line_error(invoke("predict", export_dir, image, "--tier", "g0.5"), 2, "unknown tier 'g0.5'; tiers: g0.25, g1")
+
+
+def test_predict_refuses_a_tampered_tier(export_dir, tmp_path, image):
+    copy = shutil.copytree(export_dir, tmp_path / "copy")
+    with open(copy / "g1.onnx", "ab") as f:
+        f.write(b"\0")
+    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "g1.onnx: sha256")
+    assert invoke("predict", copy, image, "--tier", "g0.25").exit_code == 0
+
+
+def test_bench_tiers_measures_every_tier(export_dir):
+    result = invoke("bench-tiers", export_dir, "--batch", "2", "--runs", "2")
+    assert result.exit_code == 0, result.output
+    assert "g0.25" in result.stdout and "g1" in result.stdout and "batch 2: median of 2 runs" in result.stdout
+    assert_one_line_error(invoke("bench-tiers", export_dir, "--batch", "0"), 2, "must be >= 1")

@@ -1,0 +1,256 @@
+"""ONNX export of every tier: parity with PyTorch, the manifest, run directories, atomicity."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from nefl_zoo import export as export_mod
+from nefl_zoo.export import (
+    ExportError,
+    ExportSource,
+    export_tiers,
+    fold_batchnorm,
+    load_run_dir,
+    load_source,
+    pad_channels,
+)
+from nefl_zoo.manifest import file_sha256, load_manifest
+from nefl_zoo.profile import profile_tiers
+from nefl_zoo.slim import compile_spec
+from nefl_zoo.spec import parse_spec
+
+RESNET_SPEC = {
+    "model": "resnet20",
+    "tiers": [
+        # narrower, with skipped blocks (the first of stage 2 keeps its projection) and a step of 2
+        {"name": "small", "gamma_w": 0.25, "gamma": 0.2, "steps": [[1, 0, 1], [0, 1, 1], [2, 1, 0]]},
+        {"name": "full", "gamma": 1.0},
+    ],
+}
+VIT_SPEC = {
+    "model": "vit_tiny_16",
+    "model_args": dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
+    "inconsistent": ["steps"],
+    "tiers": [{"name": "half", "gamma_w": 0.5, "steps": [[1, 0]]}, {"name": "full"}],
+}
+
+
+def trained_like_state(compiled):
+    """A global state whose per-tier tensors (steps, BN affine and statistics) differ from the
+    shared defaults, so an export that ignored them would not match."""
+    gen = torch.Generator().manual_seed(1)
+    state = compiled.init_global_state()
+    for key, value in state.items():
+        if "@" not in key:
+            continue
+        if key.split("@")[0].endswith("running_var"):
+            state[key] = 0.5 + torch.rand(value.shape, generator=gen)
+        elif value.is_floating_point():
+            state[key] = value + 0.1 * torch.randn(value.shape, generator=gen)
+    return state
+
+
+def write_run_dir(path, spec_dict, state, metrics_lines, config=None):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "spec.yaml").write_text(yaml.safe_dump(spec_dict))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "global.safetensors"))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics_lines))
+    if config is not None:
+        (path / "config.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def resnet_run(tmp_path_factory):
+    """A run directory written the way training writes it, and its export."""
+    compiled = compile_spec(parse_spec(RESNET_SPEC))
+    state = trained_like_state(compiled)
+    run = write_run_dir(
+        tmp_path_factory.mktemp("run"),
+        RESNET_SPEC,
+        state,
+        [
+            {"round": 5, "acc": {"small": 0.5, "full": 0.6}},
+            {"round": 5, "loss": 1.2},
+            {"round": 10, "acc": {"small": 0.71, "full": 0.83}},
+        ],
+        config={"data": {"dataset": "cifar10"}},
+    )
+    out = tmp_path_factory.mktemp("export")
+    manifest = export_tiers(load_source(run), out, latency_runs=2)
+    return compiled, state, out, manifest
+
+
+def test_export_writes_one_self_contained_file_per_tier_and_a_valid_manifest(resnet_run):
+    _, _, out, manifest = resnet_run
+    assert sorted(p.name for p in out.iterdir()) == ["full.onnx", "manifest.json", "small.onnx"]
+    assert load_manifest(out / "manifest.json") == manifest
+    for tier in manifest.tiers:
+        model = onnx.load(str(out / tier.file))
+        assert not any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer)
+        assert tier.sha256 == file_sha256(out / tier.file)
+        assert tier.weights_mb == pytest.approx((out / tier.file).stat().st_size / 2**20)
+
+
+@pytest.mark.parametrize("tier", ["small", "full"])
+def test_onnxruntime_matches_the_tier_module_at_another_batch_size(resnet_run, tier):
+    compiled, state, out, manifest = resnet_run
+    module = compiled[tier].load(state).eval()
+    session = ort.InferenceSession(str(out / manifest.tier(tier).file), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[0] == "batch"
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        expected = module(x).numpy()
+    got = session.run(None, {"input": x.numpy()})[0]
+    assert got.shape == (5, 10)
+    assert np.abs(got - expected).max() <= 1e-4
+    assert manifest.tier(tier).max_abs_diff <= 1e-4
+
+
+def test_each_tier_uses_its_own_inconsistent_parameters(resnet_run):
+    """Swapping in another tier's step sizes and norms changes the output: they were exported."""
+    compiled, state, out, manifest = resnet_run
+    default_state = compiled.init_global_state()
+    for key in state:
+        if "@" not in key:
+            default_state[key] = state[key]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        without = compiled["small"].load(default_state).eval()(x).numpy()
+    session = ort.InferenceSession(str(out / "small.onnx"), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"input": x.numpy()})[0] - without).max() > 1e-2
+
+
+def test_manifest_records_costs_accuracy_dataset_and_latency(resnet_run):
+    compiled, _, _, manifest = resnet_run
+    profiles = {p.name: p for p in profile_tiers(compiled)}
+    assert manifest.schema_version == 1 and manifest.model == "resnet20"
+    assert manifest.input.shape == [3, 32, 32] and manifest.input.batch is None
+    assert manifest.input.dataset == "cifar10"
+    assert manifest.input.normalization.mean == pytest.approx([0.4914, 0.4822, 0.4465])
+    assert manifest.class_names[3] == "cat" and manifest.output.num_classes == 10
+    small = manifest.tier("small")
+    assert small.blocks_per_stage == [2, 2, 2]
+    assert (small.params, small.macs) == (profiles["small"].params, profiles["small"].macs)
+    assert small.gamma == 0.2 and small.gamma_w == 0.25
+    assert small.macs < manifest.tier("full").macs
+    assert small.accuracy == 0.71 and manifest.tier("full").accuracy == 0.83  # last "acc" line
+    assert small.batchnorm_folded
+    assert small.latency.batch == 1 and small.latency.runs == 2 and small.latency.median_ms > 0
+    assert small.latency.threads is None
+    assert small.latency.machine.cpu_count >= 1 and small.latency.machine.onnxruntime == ort.__version__
+    assert 0 < small.activation_mb_per_sample < manifest.tier("full").activation_mb_per_sample
+
+
+def test_batchnorm_is_folded_out_of_the_graph(resnet_run):
+    _, _, out, _ = resnet_run
+    ops = {node.op_type for node in onnx.load(str(out / "full.onnx")).graph.node}
+    assert "Conv" in ops and "BatchNormalization" not in ops
+
+
+def test_fold_batchnorm_keeps_the_output():
+    compiled = compile_spec(parse_spec(RESNET_SPEC))
+    module = compiled["small"].load(trained_like_state(compiled)).eval()
+    folded = fold_batchnorm(module)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert (folded(x) - module(x)).abs().max() <= 1e-5
+
+
+def test_padded_channels_export_keeps_outputs_and_aligns_widths(tmp_path):
+    # gamma_w 0.3: 9 / 18 / 36 channels, padded to 16 / 24 / 40
+    spec = {"model": "resnet20", "tiers": [{"name": "odd", "gamma_w": 0.3, "steps": [[1, 0, 1], [0, 1, 1], [1, 1, 1]]}]}
+    compiled = compile_spec(parse_spec(spec))
+    state = trained_like_state(compiled)
+    manifest = export_tiers(ExportSource(compiled, state, "t"), tmp_path, channel_align=8, latency_runs=1)
+    tier = manifest.tier("odd")
+    assert tier.channel_align == 8 and tier.max_abs_diff <= 1e-4 and tier.batchnorm_folded
+    model = onnx.load(str(tmp_path / "odd.onnx"))
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    conv_shapes = [weights[n.input[1]] for n in model.graph.node if n.op_type == "Conv"]
+    assert conv_shapes[0][:2] == [16, 3]  # the stem reads the 3-channel image
+    assert {s[0] for s in conv_shapes} == {16, 24, 40} and all(s[1] % 8 == 0 for s in conv_shapes[1:])
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        expected = compiled["odd"].load(state).eval()(x).numpy()
+    session = ort.InferenceSession(str(tmp_path / "odd.onnx"), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(None, {"input": x.numpy()})[0] - expected).max() <= 1e-4
+
+
+def test_pad_channels_refuses_what_padding_would_change():
+    compiled = compile_spec(parse_spec(VIT_SPEC))
+    vit = compiled["full"].load(compiled.init_global_state()).eval()
+    with pytest.raises(ValueError, match=r"cannot pad channels of cls_token \(VisionTransformer\)"):
+        pad_channels(vit, 8)
+    with pytest.raises(ValueError, match=r"cannot pad channels of 0.norm1.weight \(LayerNorm\)"):
+        pad_channels(vit.blocks, 8)
+
+
+def test_vit_export_from_a_spec_file(tmp_path):
+    spec_path = tmp_path / "vit.yaml"
+    spec_path.write_text(yaml.safe_dump(VIT_SPEC))
+    source = load_source(spec_path, seed=3)
+    manifest = export_tiers(source, tmp_path / "out", batch_dynamic=False, batch=2, latency_runs=1, threads=1)
+    assert manifest.tiers[0].latency.threads == 1
+    assert manifest.input.batch == 2 and manifest.input.normalization is None and manifest.class_names is None
+    assert [t.blocks_per_stage for t in manifest.tiers] == [[1], [2]]
+    for tier in manifest.tiers:
+        assert not tier.batchnorm_folded
+        session = ort.InferenceSession(str(tmp_path / "out" / tier.file), providers=["CPUExecutionProvider"])
+        assert session.get_inputs()[0].shape == [2, 3, 32, 32]
+        x = torch.randn(2, 3, 32, 32)
+        with torch.no_grad():
+            expected = source.compiled[tier.name].load(source.global_state).eval()(x).numpy()
+        assert np.abs(session.run(None, {"input": x.numpy()})[0] - expected).max() <= 1e-4
+
+
+def test_failed_export_keeps_the_previous_manifest_and_leaves_no_staging(resnet_run, tmp_path, monkeypatch):
+    compiled, state, out, manifest = resnet_run
+    for path in out.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(export_mod, "ATOL", -1.0)  # no difference can pass
+    source = ExportSource(compiled, trained_like_state(compiled), "test")
+    with pytest.raises(ExportError, match=r"tier small: onnxruntime vs PyTorch max abs diff"):
+        export_tiers(source, tmp_path, tiers=["small"], latency_runs=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.onnx", "manifest.json", "small.onnx"]
+    assert load_manifest(tmp_path) == manifest
+    assert all(t.sha256 == file_sha256(tmp_path / t.file) for t in manifest.tiers)
+
+
+def test_unknown_tier_is_refused_before_exporting(tmp_path):
+    compiled = compile_spec(parse_spec(RESNET_SPEC))
+    with pytest.raises(KeyError, match="unknown tier 'tiny'; tiers: small, full"):
+        export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, tiers=["tiny"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_dir_with_a_wrong_shape_names_the_key(tmp_path):
+    compiled = compile_spec(parse_spec(RESNET_SPEC))
+    state = compiled.init_global_state()
+    state["fc.weight"] = torch.zeros(10, 7)
+    write_run_dir(tmp_path, RESNET_SPEC, state, [])
+    with pytest.raises(ValueError, match=r"global.safetensors: fc.weight: shape \(10, 7\), the spec needs \(10, 64\)"):
+        load_run_dir(tmp_path)
+
+
+def test_run_dir_problems_are_one_line_errors(tmp_path):
+    compiled = compile_spec(parse_spec(RESNET_SPEC))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(RESNET_SPEC))
+    with pytest.raises(FileNotFoundError, match="global.safetensors: missing"):
+        load_run_dir(tmp_path)
+    state = compiled.init_global_state()
+    del state["layer1.0.step@small"]
+    write_run_dir(tmp_path, RESNET_SPEC, state, [])
+    with pytest.raises(ValueError, match=r"layer1.0.step@small: missing \(1 keys missing"):
+        load_run_dir(tmp_path)
+    write_run_dir(tmp_path, RESNET_SPEC, compiled.init_global_state(), [])
+    (tmp_path / "metrics.jsonl").write_text('{"acc": {"full": 0.5}}\n{oops\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2: not valid JSON"):
+        load_run_dir(tmp_path)
