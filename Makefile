@@ -16,12 +16,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/nefl-zoo build resnet110 --gamma 0.2
 	$(BIN)/nefl-zoo profile resnet110/nefl-wd
+	$(BIN)/nefl-zoo train specs/train/digits-quick.yaml --out runs/demo --overwrite
+	$(BIN)/nefl-zoo export runs/demo --out exports/demo
+	$(BIN)/nefl-zoo bench-tiers exports/demo --batch 1
+	$(BIN)/nefl-zoo select exports/demo --max-params 100000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_slim.py
+	$(BIN)/python benchmarks/bench_fl.py
+	$(BIN)/python benchmarks/bench_export.py
 
 clean:
-	rm -rf $(VENV) exports/*/
+	rm -rf $(VENV) runs exports/*/

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nefl_zoo.fl.config import DataConfig
-from nefl_zoo.fl.data import DatasetNotFoundError, load_data, partition
+from nefl_zoo.fl.data import NORMALIZATION, DatasetNotFoundError, load_data, partition
 
 TARGETS = np.repeat(np.arange(10), 30)
 
@@ -82,3 +82,31 @@ def test_missing_dataset_names_folder_and_files(tmp_path, dataset, expected):
 def test_channel_mismatch_is_reported(tmp_path):
     with pytest.raises(ValueError, match="3 channels"):
         load_data(DataConfig(dataset="cifar10"), tmp_path, (1, 32, 32), num_clients=2, seed=0)
+
+
+def test_cifar10_from_batches_the_test_writes(tmp_path, monkeypatch):
+    """The real torchvision CIFAR-10 path on tiny files in the official pickle format (the md5
+    check of the official archive is the only thing bypassed)."""
+    import pickle
+
+    import torchvision
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name, n in [*((f"data_batch_{i}", 4) for i in range(1, 6)), ("test_batch", 5)]:
+        data = rng.integers(0, 256, size=(n, 3 * 32 * 32), dtype=np.uint8)
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "labels": [int(v) for v in rng.integers(0, 10, n)]}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, f)
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
+    data = load_data(DataConfig(dataset="cifar10", root=str(tmp_path)), tmp_path, (3, 32, 32), num_clients=4, seed=0)
+    assert len(data.train) == 20 and len(data.test) == 5 and data.num_classes == 10
+    x, y = data.test[0]
+    raw = torch.tensor(pickle.load(open(folder / "test_batch", "rb"))["data"][0], dtype=torch.float32)
+    mean = torch.tensor(NORMALIZATION["cifar10"][0]).view(3, 1, 1)
+    std = torch.tensor(NORMALIZATION["cifar10"][1]).view(3, 1, 1)
+    torch.testing.assert_close(x, (raw.view(3, 32, 32) / 255 - mean) / std)  # no augmentation at test time
+    _check_cover(data.partitions, 20)
