@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo train specs/train/digits-quick.yaml --out runs/demo --overwrite
 	$(BIN)/nefl-zoo export runs/demo --out exports/demo
 	$(BIN)/nefl-zoo bench-tiers exports/demo --batch 1
-	$(BIN)/nefl-zoo select exports/demo --max-params 100000
+	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from .console import console
 from .errors import fail, user_errors
 
 NO_FIT = 1  # exit code of `select` when no tier meets the budget
@@ -56,7 +57,6 @@ def export(
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("tier", "file", "params", "MACs ratio", "max |diff|", f"latency ms (batch {batch})", "BN folded")
@@ -65,7 +65,7 @@ def export(
             t.name, t.file, f"{t.params:,}", f"{t.macs_ratio:.3f}", f"{t.max_abs_diff:.1e}",
             f"{t.latency.median_ms:.3f}", "yes" if t.batchnorm_folded else "no",
         )
-    Console().print(table)
+    console().print(table)
     typer.echo(f"wrote {out / 'manifest.json'}")
 
 
@@ -172,7 +172,6 @@ def bench_tiers(
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: per core)"),
 ) -> None:
     """Measure every tier's onnxruntime latency on this machine, as a table."""
-    from rich.console import Console
     from rich.table import Table
 
     from nefl_zoo.manifest import ManifestError
@@ -197,7 +196,7 @@ def bench_tiers(
             f"{t.memory_mb(batch):.2f}", f"{latencies[t.name]:.3f}",
             f"{latencies[t.name] / latencies[largest.name]:.3f}", f"{t.latency.median_ms:.3f}",
         )
-    Console().print(table)
+    console().print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from .console import console
 from .errors import fail, user_errors
 
 
@@ -28,7 +29,6 @@ class Mode(str, Enum):
 def models() -> None:
     """List the zoo's models with their stages and full-size parameter counts."""
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from nefl_zoo.models import create_model, list_models
@@ -39,12 +39,11 @@ def models() -> None:
             m = create_model(name)
         params = sum(p.numel() for p in m.parameters())
         table.add_row(name, "/".join(map(str, m.stage_depths)), f"{params / 1e6:.2f}M", "x".join(map(str, m.input_size)))
-    Console().print(table)
+    console().print(table)
 
 
 def specs() -> None:
     """List the specs shipped in ``specs/``."""
-    from rich.console import Console
     from rich.table import Table
 
     from nefl_zoo.spec import SpecError, load_spec, shipped_specs_dir
@@ -61,7 +60,7 @@ def specs() -> None:
             continue
         tiers = ", ".join(t.name if t.gamma is None else f"{t.name} ({t.gamma:g})" for t in spec.tiers)
         table.add_row(str(path.relative_to(root).with_suffix("")), spec.model, tiers)
-    Console().print(table)
+    console().print(table)
 
 
 def schema() -> None:
@@ -192,14 +191,13 @@ def profile(
     elif fmt is Format.json:
         typer.echo(prof.to_json(profiles))
     else:
-        from rich.console import Console
         from rich.table import Table
 
         header, rows = prof.table_rows(profiles)
         table = Table(*header, title=f"{sub.model}: {spec}", caption=prof.MACS_NOTE)
         for row in rows:
             table.add_row(*row)
-        Console().print(table)
+        console().print(table)
 
 
 def _print_by_module(compiled, fmt: Format) -> None:
@@ -224,13 +222,12 @@ def _print_by_module(compiled, fmt: Format) -> None:
         for r in records:
             typer.echo(f"| {r['tier']} | {r['module']} | {r['params']:,} | {r['macs']:,} |")
     else:
-        from rich.console import Console
         from rich.table import Table
 
         table = Table("tier", "module", "params", "MACs")
         for r in records:
             table.add_row(r["tier"], r["module"], f"{r['params']:,}", f"{r['macs']:,}")
-        Console().print(table)
+        console().print(table)
 
 
 def register(app: typer.Typer) -> None:
