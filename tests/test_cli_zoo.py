@@ -1,8 +1,6 @@
 import json
 
 import pytest
-import torch
-import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 

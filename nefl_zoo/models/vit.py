@@ -10,7 +10,6 @@ dimensions, with q, k and v sliced separately) and the MLP hidden layer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
 
 import torch
 from torch import nn
