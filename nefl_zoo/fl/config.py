@@ -15,10 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, PrivateAttr,
 
 from ..spec import SpecError, SubmodelSpec, format_validation_error, load_spec, parse_spec
 
-Method = Literal["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full"]
-METHODS: tuple[str, ...] = Method.__args__
-
-
 class ConfigError(SpecError):
     """A training-config problem, printed as ``FILE: FIELD: message``."""
 
@@ -92,7 +88,7 @@ class RunConfig(_Strict):
     """A whole training run. ``spec`` is a spec file (relative to the config) or a mapping."""
 
     name: str = "run"
-    method: Method = "nefl"
+    method: str = Field("nefl", description="a registered method, see nefl_zoo.fl.methods.METHODS")
     seed: int = 0
     rounds: int = Field(500, ge=1)
     spec: str | dict[str, Any]
@@ -102,6 +98,15 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N rounds")
     _base_dir: Path = PrivateAttr(default_factory=Path)  # relative paths are resolved against it
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, name: str) -> str:
+        from .methods import METHODS  # the registry is the one list of method names
+
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; one of {', '.join(METHODS)}")
+        return name
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
