@@ -26,7 +26,8 @@ import onnxruntime as ort
 import torch
 
 from nefl_zoo.export import export_tiers, load_source
-from nefl_zoo.runtime import TierRuntime, measure_latency_ms
+from nefl_zoo.runtime import TierRuntime
+from nefl_zoo.timing import median_ms
 
 SPECS = ("resnet110/nefl-wd", "resnet56/nefl-d")
 TARGET = 1.3
@@ -47,7 +48,7 @@ def bench_spec(spec: str, batch: int, runs: int, threads: int, align: int, workd
     for tier in manifest.tiers:
         module = source.compiled[tier.name].load(source.global_state).eval()
         with torch.inference_mode():
-            eager_ms = measure_latency_ms(lambda: module(x), runs)
+            eager_ms = median_ms(lambda: module(x), runs, warmup=2)
         ort_ms = {a: rt.benchmark(tier.name, batch, runs) for a, rt in runtimes.items()}
         rows.append(dict(spec=spec, tier=tier, ort_ms=ort_ms, eager_ms=eager_ms))
     largest = max(rows, key=lambda r: r["tier"].macs)

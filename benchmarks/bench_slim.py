@@ -22,6 +22,7 @@ from nefl_zoo.models import create_model
 from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import SubmodelSpec, load_spec, shipped_specs_dir
+from nefl_zoo.timing import median_ms
 
 SPECS = ["resnet110/nefl-w", "resnet110/nefl-d", "resnet110/nefl-wd", "resnet56/nefl-d", "resnet56/nefl-wd"]
 
@@ -75,15 +76,6 @@ def bench_spec(name: str, batch: int, reps: int) -> list[str]:
     return rows
 
 
-def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def bench_build(reps: int = 20) -> str:
     spec = load_spec(shipped_specs_dir() / "resnet110/nefl-wd.yaml")
     compiled = compile_spec(spec)
@@ -94,9 +86,9 @@ def bench_build(reps: int = 20) -> str:
 
     return (
         f"resnet110, after `import torch`, median of {reps}: "
-        f"slim module of tier g0.2 {_median_ms(compiled['g0.2'].build, reps):.1f} ms; "
-        f"compiling the 5-tier NeFL-WD spec (slice maps) {_median_ms(lambda: compile_spec(spec), reps):.1f} ms; "
-        f"`build --gamma 0.2` path (auto_tier search + compile + slim module) {_median_ms(auto_build, reps):.1f} ms"
+        f"slim module of tier g0.2 {median_ms(compiled['g0.2'].build, reps):.1f} ms; "
+        f"compiling the 5-tier NeFL-WD spec (slice maps) {median_ms(lambda: compile_spec(spec), reps):.1f} ms; "
+        f"`build --gamma 0.2` path (auto_tier search + compile + slim module) {median_ms(auto_build, reps):.1f} ms"
     )
 
 

@@ -54,7 +54,8 @@ from .manifest import (
     file_sha256,
 )
 from .profile import profile_tiers
-from .runtime import CPU_PROVIDER, create_session, measure_latency_ms
+from .runtime import CPU_PROVIDER, create_session
+from .timing import median_ms
 from .slim import CompiledSpec, compile_spec
 from .spec import SubmodelSpec, load_spec, resolve_spec_path
 
@@ -361,9 +362,9 @@ def _export_tier(
             f"(1e-4 x max(1, max |logit| = {float(reference.abs().max()):.3g}))"
         )
     feed = {INPUT_NAME: torch.randn(options.batch, *input_size, generator=generator).numpy()}
-    median_ms = measure_latency_ms(lambda: session.run(None, feed), options.latency_runs)
+    latency_ms = median_ms(lambda: session.run(None, feed), options.latency_runs, warmup=2)
     latency = Latency(
-        median_ms=median_ms, batch=options.batch, runs=options.latency_runs, threads=options.threads,
+        median_ms=latency_ms, batch=options.batch, runs=options.latency_runs, threads=options.threads,
         machine=options.machine,
     )
     return _ExportedTier(

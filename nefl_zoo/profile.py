@@ -12,8 +12,6 @@ import csv
 import io
 import json
 import math
-import statistics
-import time
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -21,6 +19,7 @@ import torch
 from torch import nn
 
 from .slim import CompiledSpec, CompiledTier
+from .timing import median_ms
 
 MACS_NOTE = (
     "MACs by fvcore (1 multiply-add = 1); step-size multiply and residual add counted at "
@@ -84,14 +83,8 @@ def measure_latency_ms(model: nn.Module, input_size: tuple[int, ...], batch: int
     """Median CPU wall time of a forward pass of ``batch`` inputs, in milliseconds."""
     model.eval()
     x = torch.randn(batch, *input_size)
-    times = []
     with torch.inference_mode():
-        model(x)  # warm-up
-        for _ in range(runs):
-            start = time.perf_counter()
-            model(x)
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        return median_ms(lambda: model(x), runs)
 
 
 def blocks_per_stage(ct: CompiledTier, depths: tuple[int, ...]) -> list[int]:

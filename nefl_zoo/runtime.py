@@ -12,8 +12,6 @@ Every tier file is checked against the manifest's sha256 before onnxruntime load
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, TierEntry, file_sha256, load_manifest
+from .timing import median_ms
 
 CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -37,18 +36,6 @@ class Selection:
     tier: str
     reason: str
     fitting: tuple[str, ...]
-
-
-def measure_latency_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` over ``runs`` calls after ``warmup`` calls, in ms."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def create_session(
@@ -184,4 +171,4 @@ class TierRuntime:
             raise ValueError(f"this export has a fixed batch of {fixed}, got --batch {batch}")
         x = np.random.default_rng(0).standard_normal((batch, *self.manifest.input.shape), dtype=np.float32)
         feed = {self.manifest.input.name: x}
-        return measure_latency_ms(lambda: session.run(None, feed), runs, warmup)
+        return median_ms(lambda: session.run(None, feed), runs, warmup)
