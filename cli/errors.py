@@ -16,6 +16,13 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(USAGE_ERROR)
 
 
+def require_positive(**options: int | float | None) -> None:
+    """Exit with a one-line error for the first option below 1 (``None`` means unset)."""
+    for name, value in options.items():
+        if value is not None and value < 1:
+            raise fail(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+
+
 @contextlib.contextmanager
 def user_errors(*types: type[BaseException]) -> Iterator[None]:
     """Turn the given exception types (and ``ValueError``/``KeyError``/``FileNotFoundError``)
@@ -27,4 +34,4 @@ def user_errors(*types: type[BaseException]) -> Iterator[None]:
         raise fail(str(message).splitlines()[0] if message else type(exc).__name__) from None
 
 
-__all__ = ["fail", "user_errors", "USAGE_ERROR"]
+__all__ = ["fail", "require_positive", "user_errors", "USAGE_ERROR"]

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from .console import console
-from .errors import fail, user_errors
+from .errors import fail, require_positive, user_errors
 
 NO_FIT = 1  # exit code of `select` when no tier meets the budget
 
@@ -36,14 +36,7 @@ def export(
     from nefl_zoo.export import DATASETS, ExportError, export_tiers, load_source
     from nefl_zoo.spec import SpecError
 
-    if batch < 1:
-        raise fail(f"--batch: must be >= 1, got {batch}")
-    if latency_runs < 1:
-        raise fail(f"--latency-runs: must be >= 1, got {latency_runs}")
-    if threads is not None and threads < 1:
-        raise fail(f"--threads: must be >= 1, got {threads}")
-    if pad_channels < 1:
-        raise fail(f"--pad-channels: must be >= 1, got {pad_channels}")
+    require_positive(batch=batch, latency_runs=latency_runs, threads=threads, pad_channels=pad_channels)
     if dataset is not None and dataset not in DATASETS:
         raise fail(f"--dataset: unknown {dataset!r}; one of {', '.join(DATASETS)}")
     names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
@@ -128,8 +121,7 @@ def predict(
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import TierRuntime
 
-    if top_k < 1:
-        raise fail(f"--top-k: must be >= 1, got {top_k}")
+    require_positive(top_k=top_k)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest)
         name = runtime.resolve(tier)
@@ -177,8 +169,7 @@ def bench_tiers(
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import TierRuntime
 
-    if batch < 1 or runs < 1 or (threads is not None and threads < 1):
-        raise fail(f"--batch, --runs and --threads must be >= 1, got {batch}, {runs} and {threads}")
+    require_positive(batch=batch, runs=runs, threads=threads)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest, threads=threads)
         latencies = {t.name: runtime.benchmark(t.name, batch, runs) for t in runtime.manifest.tiers}

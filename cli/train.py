@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import fail, user_errors
+from .errors import fail, require_positive, user_errors
 
 
 def _setup(threads: int | None) -> None:
@@ -25,13 +25,14 @@ def train(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="run directory (default: runs/NAME-METHOD-sSEED)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory from its checkpoint"),
     set_: List[str] = typer.Option([], "--set", help="override a config key, e.g. --set rounds=3 --set data.alpha=0.5"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary table"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in the run directory"),
 ) -> None:
     """Train one method on one configuration; write metrics, checkpoints and the global state."""
     if config is None and resume is None:
         raise fail("give a CONFIG file or --resume RUN_DIR")
+    require_positive(threads=threads)
     _setup(threads)
     from nefl_zoo.fl.config import ConfigError, apply_overrides, load_config, parse_config
     from nefl_zoo.fl.engine import Engine, resume_config
@@ -52,16 +53,18 @@ def train(
 def compare(
     config: Path = typer.Argument(..., help="training config YAML shared by every method"),
     methods: str = typer.Option("nefl,fjord,heterofl,depthfl", "--methods", help="comma-separated methods"),
-    seeds: int = typer.Option(3, "--seeds", min=1, help="seeds per method (config seed, +1, ...)"),
+    seeds: int = typer.Option(3, "--seeds", help="seeds per method (config seed, +1, ...)"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default: runs/compare-NAME)"),
     set_: List[str] = typer.Option([], "--set", help="override a config key for every run"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
 ) -> None:
     """Run several methods x seeds on one setup; write results.md (Table 1 layout) and a plot."""
+    require_positive(seeds=seeds, threads=threads)
     _setup(threads)
     from nefl_zoo.fl.compare import compare_methods
-    from nefl_zoo.fl.config import METHODS, ConfigError, load_config
+    from nefl_zoo.fl.config import ConfigError, load_config
+    from nefl_zoo.fl.methods import METHODS
     from nefl_zoo.spec import SpecError
 
     names = [m.strip() for m in methods.split(",") if m.strip()]

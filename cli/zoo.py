@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from .console import console
-from .errors import fail, user_errors
+from .errors import fail, require_positive, user_errors
 
 
 class Format(str, Enum):
@@ -175,8 +175,7 @@ def profile(
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import SpecError, load_spec, resolve_spec_path
 
-    if batch < 1:
-        raise fail(f"--batch: must be >= 1, got {batch}")
+    require_positive(batch=batch)
     with user_errors(SpecError):
         sub = load_spec(resolve_spec_path(spec))
     compiled = compile_spec(sub)

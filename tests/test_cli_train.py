@@ -54,6 +54,8 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
         ["train", "--resume", str(tmp_path)],
         ["train"],
         ["compare", QUICK, "--methods", "nefl,bogus"],
+        ["train", QUICK, "--threads", "0"],
+        ["compare", QUICK, "--seeds", "0"],
     ]
     for args in cases:
         result = runner.invoke(app, args)
