@@ -149,18 +149,17 @@ def _build_report(spec, tier: str, pretrained: str | None) -> tuple[dict, "objec
 
 def _write_submodel(out: Path, slim, spec, tier: str) -> None:
     """Weights as safetensors and a one-tier spec as YAML, each written atomically."""
-    import os
-
     import yaml
     from safetensors.torch import save_file
 
+    from nefl_zoo.files import atomic_write
+
     out.parent.mkdir(parents=True, exist_ok=True)
     one = spec.model_copy(update={"tiers": [spec.tier(tier)]})
-    weights_tmp, spec_tmp = out.with_name(out.name + ".tmp"), out.with_suffix(".yaml.tmp")
-    save_file({k: v.contiguous() for k, v in slim.state_dict().items()}, str(weights_tmp))
-    spec_tmp.write_text(yaml.safe_dump(one.model_dump(exclude_none=True), sort_keys=False))
-    os.replace(weights_tmp, out)
-    os.replace(spec_tmp, out.with_suffix(".yaml"))
+    weights = {k: v.contiguous() for k, v in slim.state_dict().items()}
+    atomic_write(out, lambda p: save_file(weights, str(p)))
+    text = yaml.safe_dump(one.model_dump(exclude_none=True), sort_keys=False)
+    atomic_write(out.with_suffix(".yaml"), lambda p: p.write_text(text))
 
 
 def profile(

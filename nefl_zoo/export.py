@@ -42,6 +42,7 @@ from torch import nn
 
 from . import __version__
 from .fl.data import NORMALIZATION
+from .files import atomic_write
 from .manifest import (
     MANIFEST_NAME,
     InputSpec,
@@ -487,9 +488,7 @@ def _publish(staging: Path, out_dir: Path, manifest: Manifest) -> None:
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     for entry in manifest.tiers:
         os.replace(staging / entry.file, out_dir / entry.file)
-    tmp = staging / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2) + "\n")
-    os.replace(tmp, out_dir / MANIFEST_NAME)
+    atomic_write(out_dir / MANIFEST_NAME, lambda p: p.write_text(manifest.model_dump_json(indent=2) + "\n"))
 
 
 __all__ = [

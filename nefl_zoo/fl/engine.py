@@ -15,12 +15,10 @@ import csv
 import itertools
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,6 +26,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
+from ..files import atomic_write
 from ..slim import SliceMap
 from .aggregate import Update, nefedavg
 from .client import evaluate, fit, learning_rate
@@ -48,12 +47,6 @@ def client_groups(config: RunConfig, levels: list[str]) -> list[list[str]]:
         return [[t] for t in levels]
     n = len(levels)
     return [levels[max(0, i - 2): min(n, i + 3)] for i in range(n)]
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def _nbytes(state) -> int:
@@ -219,11 +212,11 @@ class Engine:
     def save_checkpoint(self) -> None:
         """Write the global state and ``checkpoint.json`` atomically (temp file + rename)."""
         state = {k: v.contiguous() for k, v in self.state.items()}
-        _atomic_write(self.out / CHECKPOINT_STATE, lambda p: save_file(state, str(p)))
-        _atomic_write(self.out / GLOBAL_STATE, lambda p: save_file(state, str(p)))
+        atomic_write(self.out / CHECKPOINT_STATE, lambda p: save_file(state, str(p)))
+        atomic_write(self.out / GLOBAL_STATE, lambda p: save_file(state, str(p)))
         meta = {"round": self.round, "config": self.config.to_dict(), "totals": self.totals,
                 "last_eval": self.last_eval, "rng": _rng_states()}
-        _atomic_write(self.out / CHECKPOINT_JSON, lambda p: p.write_text(json.dumps(meta)))
+        atomic_write(self.out / CHECKPOINT_JSON, lambda p: p.write_text(json.dumps(meta)))
 
     def _restore(self) -> None:
         meta = json.loads((self.out / CHECKPOINT_JSON).read_text())
