@@ -30,11 +30,11 @@ SPECS = ["resnet110/nefl-w", "resnet110/nefl-d", "resnet110/nefl-wd", "resnet56/
 def masked_model(spec, tier):
     """The paper's way: all blocks run; skipped ones have their step fixed to 0."""
     model = create_model(spec.model, **spec.model_args, gamma_w=tier.gamma_w)
-    with torch.no_grad():
-        for s, stage in enumerate(tier.steps or []):
-            blocks = getattr(model, model.stage_names[s])
-            for b, value in enumerate(stage):
-                blocks[b].step.fill_(value)
+    if tier.steps:
+        with torch.no_grad():
+            for stage, block, module in model.residual_blocks():
+                for name in module.step_names:
+                    getattr(module, name).fill_(tier.steps[stage][block])
     return model.eval()
 
 

@@ -31,14 +31,19 @@ def models() -> None:
     import torch
     from rich.table import Table
 
-    from nefl_zoo.models import create_model, list_models
+    from nefl_zoo.models import count_params, create_model, list_models, model_info
 
-    table = Table("model", "blocks per stage", "params", "input")
+    table = Table("model", "blocks per stage", "params", "input", "description")
     for name in list_models():
         with torch.device("meta"):
             m = create_model(name)
-        params = sum(p.numel() for p in m.parameters())
-        table.add_row(name, "/".join(map(str, m.stage_depths)), f"{params / 1e6:.2f}M", "x".join(map(str, m.input_size)))
+        table.add_row(
+            name,
+            "/".join(map(str, m.stage_depths)),
+            f"{count_params(m) / 1e6:.2f}M",
+            "x".join(map(str, m.default_cfg["input_size"])),
+            model_info(name).summary,
+        )
     console().print(table)
 
 
@@ -125,7 +130,8 @@ def build(
 
 
 def _build_report(spec, tier: str, pretrained: str | None) -> tuple[dict, "object"]:
-    from nefl_zoo.profile import blocks_per_stage, count_macs, count_params
+    from nefl_zoo.models import count_params
+    from nefl_zoo.profile import blocks_per_stage, count_macs
     from nefl_zoo.slim import compile_spec
 
     compiled = compile_spec(spec)
@@ -199,16 +205,17 @@ def profile(
 
 
 def _print_by_module(compiled, fmt: Format) -> None:
-    from fvcore.nn import parameter_count
-
+    from nefl_zoo.models import count_params
     from nefl_zoo.profile import macs_by_module
 
     records = []
     for ct in compiled.tiers.values():
         model = ct.build()
         macs = macs_by_module(model, compiled.input_size)
-        params = parameter_count(model)
-        records += [{"tier": ct.name, "module": k or "(total)", "params": params.get(k, 0), "macs": v} for k, v in macs.items()]
+        records += [
+            {"tier": ct.name, "module": k or "(total)", "params": count_params(model.get_submodule(k)), "macs": v}
+            for k, v in macs.items()
+        ]
     if fmt is Format.json:
         typer.echo(json.dumps(records, indent=2))
     elif fmt is Format.csv:

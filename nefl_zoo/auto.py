@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from .models import create_model
+from .models import NestedNet, count_params, create_model
 from .spec import TierSpec
 
 Mode = Literal["balanced", "width", "depth"]
@@ -27,26 +27,17 @@ class AutoTier:
     note: str
 
 
-def _param_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _meta_model(name: str, model_args: dict, gamma_w: float = 1.0):
+def _meta_model(name: str, model_args: dict, gamma_w: float = 1.0) -> NestedNet:
     with torch.device("meta"):
         return create_model(name, **model_args, gamma_w=gamma_w)
 
 
-def _block_params(model) -> tuple[int, list[list[int]]]:
+def _block_params(model: NestedNet) -> tuple[int, list[list[int]]]:
     """Parameters outside residual branches, and each branch's parameters per stage."""
     per_block = [[0] * d for d in model.stage_depths]
-    branch_total = 0
-    for key, p in model.named_parameters():
-        parts = key.split(".")
-        if parts[0] in model.stage_names and "downsample" not in parts:
-            s = model.stage_names.index(parts[0])
-            per_block[s][int(parts[1])] += p.numel()
-            branch_total += p.numel()
-    return _param_count(model) - branch_total, per_block
+    for stage, block, module in model.residual_blocks():
+        per_block[stage][block] = sum(p.numel() for _, p in module.branch_parameters())
+    return count_params(model) - sum(map(sum, per_block)), per_block
 
 
 def _width_search(name: str, model_args: dict, target: float, full: int) -> tuple[float, float]:
@@ -57,7 +48,7 @@ def _width_search(name: str, model_args: dict, target: float, full: int) -> tupl
     """
     @functools.cache
     def ratio(k: int) -> float:
-        return _param_count(_meta_model(name, model_args, k / 1000)) / full
+        return count_params(_meta_model(name, model_args, k / 1000)) / full
 
     lo, hi = 1, 1000
     while lo < hi:
@@ -98,7 +89,7 @@ def auto_tier(model: str, gamma: float, mode: Mode = "balanced", name: str | Non
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     if mode not in ("balanced", "width", "depth"):
         raise ValueError(f"mode must be balanced, width or depth, got {mode!r}")
-    full = _param_count(_meta_model(model, model_args))
+    full = count_params(_meta_model(model, model_args))
     name = name or f"g{gamma:g}"
     if gamma == 1:
         steps, gamma_w, ratio = None, 1.0, 1.0

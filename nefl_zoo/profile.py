@@ -1,9 +1,10 @@
 """Parameter, MAC and latency accounting per tier, with fvcore.
 
 fvcore counts one multiply-add as one flop, so its totals are reported as MACs. Beyond
-fvcore's own handles (convolution, linear/matmul, batch and layer norm) we register the
-element-wise ``add`` and ``mul`` ops so that the step-size multiply and the residual add are
-counted, at one op per output element. Activations, pooling and softmax are not counted.
+fvcore's own handles (convolution, linear/matmul, batch and layer norm) we register fvcore's
+element-wise counter for ``add`` and ``mul`` so that the step-size multiply and the residual
+add are counted, at one op per output element. fvcore counts global average pooling at one
+op per input element; activations, max-pooling and softmax are not counted.
 """
 
 from __future__ import annotations
@@ -11,19 +12,20 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from .models import count_params
 from .slim import CompiledSpec, CompiledTier
 from .timing import median_ms
 
 MACS_NOTE = (
     "MACs by fvcore (1 multiply-add = 1); step-size multiply and residual add counted at "
-    "1 per element; activations, pooling and softmax not counted."
+    "1 per element, global average pooling at 1 per input element; activations, max-pooling "
+    "and softmax not counted."
 )
 ELEMENTWISE_OPS = ("aten::add", "aten::add_", "aten::mul", "aten::mul_")
 
@@ -44,19 +46,16 @@ class TierProfile:
     latency_ratio: float | None = None
 
 
-def _elementwise_handle(inputs, outputs) -> int:
-    shape = outputs[0].type().sizes()
-    return math.prod(shape) if shape is not None else 0
-
-
 def _analysis(model: nn.Module, input_size: tuple[int, ...]):
     with warnings.catch_warnings():  # fvcore traces with torch.jit, which warns it is deprecated
         warnings.simplefilter("ignore", FutureWarning)
         from fvcore.nn import FlopCountAnalysis
+        from fvcore.nn.jit_handles import elementwise_flop_counter
 
     x = torch.zeros(1, *input_size)
     analysis = FlopCountAnalysis(model.eval(), x)
-    analysis.set_op_handle(**{op: _elementwise_handle for op in ELEMENTWISE_OPS})
+    per_output_element = elementwise_flop_counter(input_scale=0, output_scale=1)
+    analysis.set_op_handle(**{op: per_output_element for op in ELEMENTWISE_OPS})
     analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     return analysis
 
@@ -72,11 +71,6 @@ def macs_by_module(model: nn.Module, input_size: tuple[int, ...], depth: int = 2
     with torch.no_grad():
         counts = _analysis(model, input_size).by_module()
     return {k: int(v) for k, v in counts.items() if (k.count(".") + 1 if k else 0) <= depth}
-
-
-def count_params(model: nn.Module) -> int:
-    """Number of parameters (buffers such as BN running statistics excluded)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def measure_latency_ms(model: nn.Module, input_size: tuple[int, ...], batch: int, runs: int = 7) -> float:

@@ -55,7 +55,7 @@ def expected_macs(model: nn.Module, input_size) -> int:
             total += 2 * output.numel()
         elif isinstance(module, nn.AdaptiveAvgPool2d):
             total += inputs[0].numel()
-        elif hasattr(module, "has_branch") and module.has_branch:
+        elif getattr(module, "step_names", ()):  # a residual block with its branch
             total += 2 * output.numel()
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]

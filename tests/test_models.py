@@ -4,8 +4,9 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from nefl_zoo.models import UnknownModelError, create_model, list_models, load_pretrained
+from nefl_zoo.models import UnknownModelError, create_model, list_models, load_pretrained, model_info, register_model
 from nefl_zoo.models.pretrained import PretrainedError
+from nefl_zoo.models.registry import _MODELS
 
 from .conftest import TINY_VIT
 
@@ -24,6 +25,22 @@ def test_registry_lists_the_zoo():
         create_model("resnet9")
 
 
+def test_registry_keeps_metadata_and_warns_on_a_duplicate_name():
+    info = model_info("wide_resnet101_2")
+    assert info.module == "nefl_zoo.models.resnet"
+    assert info.summary == "Wide-ResNet-101-2 (bottleneck inner width x2), torchvision-compatible."
+    original = _MODELS["resnet20"]
+    try:
+        with pytest.warns(UserWarning, match="model 'resnet20' from tests.test_models replaces the one from nefl_zoo.models.resnet"):
+            @register_model
+            def resnet20(**kwargs):
+                """Another resnet20."""
+                return original.fn(**kwargs)
+        assert model_info("resnet20").summary == "Another resnet20."
+    finally:
+        _MODELS["resnet20"] = original
+
+
 @pytest.mark.parametrize("name, depths", [("resnet20", (3, 3, 3)), ("resnet56", (9, 9, 9)), ("resnet110", (18, 18, 18)), ("resnet34", (3, 4, 6, 3))])
 def test_stage_depths(name, depths):
     with torch.device("meta"):
@@ -39,8 +56,10 @@ def test_parameter_counts_match_torchvision_plus_one_step_per_block():
 
 def test_every_block_has_a_scalar_step_and_the_cifar_resnet20_count_is_exact():
     m = create_model("resnet20")
-    steps = {k: v for k, v in m.named_parameters() if k.endswith(".step")}
+    params = dict(m.named_parameters())
+    steps = {k: params[k] for k in m.step_keys()}
     assert len(steps) == 9 and all(v.shape == () and v.item() == 1.0 for v in steps.values())
+    assert m.step_keys()["layer3.2.step"] == (2, 2)
     # stem 3x3x3x16 + bn, 9 blocks of two 3x3 convs + bn, two 1x1 projections + bn, fc 64->10
     convs = 3 * 16 * 9 + 3 * 2 * 16 * 16 * 9 + (16 * 32 * 9 + 32 * 32 * 9 + 2 * 2 * 32 * 32 * 9) + (32 * 64 * 9 + 64 * 64 * 9 + 2 * 2 * 64 * 64 * 9)
     bns = 2 * (16 + 3 * 2 * 16 + 3 * 2 * 32 + 3 * 2 * 64) + 2 * (32 + 64)
@@ -72,7 +91,7 @@ def test_wide_resnet_weights_give_the_same_logits(tmp_path):
     save_file(ref.state_dict(), str(tmp_path / "w.safetensors"))
     ours = create_model("wide_resnet101_2", num_classes=10).eval()
     skipped = load_pretrained(ours, tmp_path / "w.safetensors")
-    assert len(skipped) == 33 and all(k.endswith(".step") for k in skipped)
+    assert len(skipped) == 33 and set(skipped) == set(ours.step_keys())
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
 
@@ -84,6 +103,22 @@ def test_timm_vit_weights_give_the_same_logits(tmp_path):
     ours = create_model("vit_b_16", **TINY_VIT, pretrained=str(path)).eval()
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=0)
+    features = ours.forward_features(x)  # normed tokens, as timm's
+    torch.testing.assert_close(features, ref.forward_features(x), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.forward_head(features, pre_logits=True), ref.forward_head(ref.forward_features(x), pre_logits=True), atol=1e-5, rtol=0)
+
+
+def test_depthfl_exits_read_the_stages_one_by_one():
+    """``forward_intermediates`` of a depth-1 slim ResNet is its stem then its first stage."""
+    m = create_model("resnet20", steps=[[1, 1, 1], [0, 0, 0], [0, 0, 0]]).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        (out,) = m.forward_intermediates(x, indices=[0], stop_early=True, intermediates_only=True)
+        assert torch.equal(out, m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
+    assert [info["num_chs"] for info in m.feature_info] == [16, 32, 64]
+    with torch.device("meta"):
+        shapes = [f.shape for f in create_model("resnet18").forward_intermediates(torch.empty(2, 3, 32, 32), intermediates_only=True)]
+    assert shapes == [(2, 64, 16, 16), (2, 128, 8, 8), (2, 256, 4, 4), (2, 512, 2, 2)]
 
 
 def test_imagenet_head_is_left_when_classes_differ():

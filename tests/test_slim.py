@@ -31,8 +31,8 @@ def test_skipping_equals_masking_the_global_model(resnet20_spec):
     full = compiled.create_global_model().eval()
     slim = compiled["d"].load(compiled.init_global_state(full)).eval()
     with torch.no_grad():
-        for (s, b) in [(0, 1), (1, 0), (2, 2)]:
-            getattr(full, f"layer{s + 1}")[b].step.zero_()
+        for s, b, block in full.residual_blocks():
+            block.step.fill_(steps[s][b])
     x = torch.randn(3, 3, 32, 32)
     torch.testing.assert_close(slim(x), full(x), atol=1e-6, rtol=0)
     assert sum(p.numel() for p in slim.parameters()) < sum(p.numel() for p in full.parameters())
@@ -127,9 +127,10 @@ def test_vit_heads_stay_aligned_and_qkv_are_sliced_separately(vit_spec):
 def test_frozen_steps_when_not_learnable():
     spec = parse_spec({"model": "resnet20", "tiers": [{"name": "nl", "learnable_steps": False}, {"name": "l"}]})
     compiled = compile_spec(spec)
-    frozen = [p.requires_grad for k, p in compiled["nl"].build().named_parameters() if k.endswith("step")]
-    learn = [p.requires_grad for k, p in compiled["l"].build().named_parameters() if k.endswith("step")]
-    assert frozen == [False] * 9 and learn == [True] * 9
+    frozen, learn = compiled["nl"].build(), compiled["l"].build()
+    assert [p.requires_grad for k, p in frozen.named_parameters() if k in frozen.step_keys()] == [False] * 9
+    assert [p.requires_grad for k, p in learn.named_parameters() if k in learn.step_keys()] == [True] * 9
+    assert all(p.requires_grad for k, p in frozen.named_parameters() if k not in frozen.step_keys())
 
 
 def test_pretrained_norm_statistics_reach_every_tier(resnet20_spec):
@@ -140,6 +141,16 @@ def test_pretrained_norm_statistics_reach_every_tier(resnet20_spec):
     state = compiled.init_global_state(full)
     assert torch.equal(state["bn1.running_mean@small"], torch.arange(8.0))
     assert torch.equal(state["bn1.running_mean@full"], torch.arange(16.0))
+
+
+def test_compiled_spec_exposes_the_full_models_contract(resnet20_spec, vit_spec):
+    resnet, vit = compile_spec(resnet20_spec), compile_spec(vit_spec)
+    assert (resnet.num_classes, resnet.num_features, resnet.classifier) == (10, 64, "fc")
+    assert [(i["module"], i["num_chs"], i["reduction"]) for i in resnet.feature_info] == [("layer1", 16, 1), ("layer2", 32, 2), ("layer3", 64, 4)]
+    assert resnet.step_keys["layer2.0.step"] == (1, 0)
+    assert (vit.num_classes, vit.num_features, vit.classifier) == (10, 64, "head")
+    assert vit.feature_info == [{"module": "blocks", "num_chs": 64, "reduction": 8}]
+    assert vit.step_keys == {"blocks.0.step_attn": (0, 0), "blocks.0.step_mlp": (0, 0), "blocks.1.step_attn": (0, 1), "blocks.1.step_mlp": (0, 1)}
 
 
 def test_unknown_tier_is_a_clear_error(resnet20_spec):

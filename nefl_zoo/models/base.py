@@ -1,4 +1,4 @@
-"""Shared pieces of every nested-ready network.
+"""The contract every zoo network declares, and the pieces they share.
 
 A nested-ready network is built from a width ratio ``gamma_w`` and per-block step sizes
 ``steps`` (one list per stage, 0 = block removed). The full model is ``gamma_w=1`` with every
@@ -9,13 +9,18 @@ carry the same names as the global model's and differ only in shape.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 Steps = Sequence[Sequence[float]]
 Index = tuple  # per-dimension ``slice`` or 1-D ``torch.LongTensor``
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (buffers such as BN running statistics excluded)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def scale_width(channels: int, gamma_w: float) -> int:
@@ -37,30 +42,121 @@ def resolve_steps(steps: Steps | None, depths: Sequence[int]) -> list[list[float
     return out
 
 
-class NestedNet(nn.Module):
-    """Base class of the zoo's networks.
+def take_indices(num_stages: int, indices: int | Sequence[int] | None) -> list[int]:
+    """Stage indices to return: all for ``None``, the last ``n`` for an int, else ``indices``
+    (negative ones count from the end, as in timm)."""
+    if indices is None:
+        indices = num_stages
+    if isinstance(indices, int):
+        if not 0 < indices <= num_stages:
+            raise ValueError(f"indices: the last {indices} of {num_stages} stages do not exist")
+        return list(range(num_stages - indices, num_stages))
+    taken = [i + num_stages if i < 0 else i for i in indices]
+    if not taken or not all(0 <= i < num_stages for i in taken):
+        raise ValueError(f"indices: expected stage indices in 0..{num_stages - 1}, got {list(indices)}")
+    return taken
 
-    Subclasses set ``stage_depths`` (blocks per stage of the FULL architecture),
-    ``stage_names`` (module names of the stages) and ``input_size`` (C, H, W).
+
+class NestedNet(nn.Module):
+    """Base class of the zoo's networks: the contract code around a model relies on.
+
+    ``__init__`` of a subclass sets, for the instance it builds (slim widths for a slim model):
+
+    - ``stage_names`` / ``stage_depths``: module names of the stages and their blocks in the
+      FULL architecture. A stage is an ``nn.Sequential`` whose blocks are named by their index
+      in the full architecture (removed blocks leave gaps); every block declares
+      ``step_names`` (its step parameters) and ``branch_parameters()`` (what disappears
+      when the block is removed).
+    - ``num_classes``, ``num_features`` (width the classifier reads) and ``feature_info``
+      (per stage ``{"module", "num_chs", "reduction"}``).
+    - ``default_cfg``: ``classifier`` and ``first_conv`` (module names), ``input_size`` (C, H, W).
+
+    and implements ``forward_stem`` (input -> first stage's input) and ``forward_head``.
     """
 
-    stage_depths: tuple[int, ...]
     stage_names: tuple[str, ...]
-    input_size: tuple[int, int, int]
+    stage_depths: tuple[int, ...]
+    num_classes: int
+    num_features: int
+    feature_info: list[dict]
+    default_cfg: dict
     norm_types: tuple[type, ...] = (nn.BatchNorm2d, nn.LayerNorm)
+
+    def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Applied to the last stage's output to give the features (identity by default)."""
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Pool the features and, unless ``pre_logits``, classify them."""
+        raise NotImplementedError
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Unpooled features: stem, every stage, final norm."""
+        x = self.forward_stem(x)
+        for name in self.stage_names:
+            x = getattr(self, name)(x)
+        return self.forward_norm(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        stop_early: bool = False,
+        intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Outputs of the stages in ``indices`` (see :func:`take_indices`), unpooled and before
+        the final norm, with the features unless ``intermediates_only``. ``stop_early`` stops
+        after the deepest requested stage (the features are then that stage's, normed)."""
+        taken = take_indices(len(self.stage_names), indices)
+        last = max(taken) if stop_early else len(self.stage_names) - 1
+        x = self.forward_stem(x)
+        intermediates = []
+        for i, name in enumerate(self.stage_names[: last + 1]):
+            x = getattr(self, name)(x)
+            if i in taken:
+                intermediates.append(x)
+        if intermediates_only:
+            return intermediates
+        return self.forward_norm(x), intermediates
+
+    def get_classifier(self) -> nn.Module:
+        return self.get_submodule(self.default_cfg["classifier"])
+
+    def residual_blocks(self) -> Iterator[tuple[int, int, nn.Module]]:
+        """Every residual block of this instance as (stage, index in the full architecture, module).
+
+        (Not ``blocks()``: timm's ViT names its stage ``blocks``, and the state dict keeps
+        timm's names.)
+        """
+        for s, name in enumerate(self.stage_names):
+            for j, block in getattr(self, name).named_children():
+                yield s, int(j), block
+
+    def step_keys(self) -> dict[str, tuple[int, int]]:
+        """State-dict key of every step parameter -> (stage, block)."""
+        names = {module: name for name, module in self.named_modules()}
+        return {
+            f"{names[block]}.{step}": (s, j)
+            for s, j, block in self.residual_blocks()
+            for step in block.step_names
+        }
 
     def param_kinds(self) -> dict[str, str]:
         """Kind of every state-dict entry: ``steps``, ``norm`` or ``weight``."""
+        steps = self.step_keys()
         kinds: dict[str, str] = {}
         for mname, module in self.named_modules():
-            prefix = f"{mname}." if mname else ""
-            is_norm = isinstance(module, self.norm_types)
-            for pname, _ in module.named_parameters(recurse=False):
-                kind = "steps" if pname.startswith("step") else ("norm" if is_norm else "weight")
-                kinds[prefix + pname] = kind
-            for bname, buf in module.named_buffers(recurse=False):
-                if buf is not None:
-                    kinds[prefix + bname] = "norm" if is_norm else "weight"
+            kind = "norm" if isinstance(module, self.norm_types) else "weight"
+            for key, _ in module.named_parameters(mname, recurse=False):
+                kinds[key] = "steps" if key in steps else kind
+            for key, _ in module.named_buffers(mname, recurse=False):
+                kinds[key] = kind
         return kinds
 
     def slice_index(self, key: str, slim_shape: torch.Size, full_shape: torch.Size) -> Index:

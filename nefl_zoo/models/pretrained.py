@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from torch import nn
 
-CLASSIFIER_KEYS = ("fc.weight", "fc.bias", "head.weight", "head.bias")
+from .base import NestedNet
 
 
 class PretrainedError(ValueError):
@@ -43,7 +42,7 @@ def _read_state_dict(source: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(
-    model: nn.Module, source: str | Path | Mapping[str, torch.Tensor]
+    model: NestedNet, source: str | Path | Mapping[str, torch.Tensor]
 ) -> list[str]:
     """Copy a torchvision/timm state dict into a full-size zoo ``model``.
 
@@ -55,16 +54,18 @@ def load_pretrained(
     state = dict(source) if isinstance(source, Mapping) else _read_state_dict(source)
     state = {k.removeprefix("module."): v for k, v in state.items()}
     own = model.state_dict()
+    steps = model.step_keys()
+    classifier = set(model.get_classifier().state_dict(prefix=f"{model.default_cfg['classifier']}."))
     skipped: list[str] = []
     for key, target in own.items():
         if key not in state:
-            if key.rsplit(".", 1)[-1].startswith("step"):
+            if key in steps:
                 skipped.append(key)
                 continue
             raise PretrainedError(f"pretrained weights lack {key!r} (is this the right model?)")
         value = state[key]
         if value.shape != target.shape:
-            if key in CLASSIFIER_KEYS:
+            if key in classifier:
                 skipped.append(key)
                 continue
             raise PretrainedError(

@@ -1,13 +1,26 @@
-"""timm-style model registry: ``register_model``, ``list_models``, ``create_model``."""
+"""timm-style model registry: ``register_model``, ``list_models``, ``model_info``, ``create_model``."""
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the registry knows about a model: its entry point, module and summary."""
+
+    name: str
+    fn: Callable[..., nn.Module]
+    module: str
+    summary: str  # first line of the entry point's docstring
+
+
+_MODELS: dict[str, ModelInfo] = {}
 
 
 class UnknownModelError(ValueError):
@@ -15,8 +28,14 @@ class UnknownModelError(ValueError):
 
 
 def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register a model constructor under its function name."""
-    _MODELS[fn.__name__] = fn
+    """Register a model entry point under its function name (warns when it replaces one)."""
+    name = fn.__name__
+    if name in _MODELS:
+        warnings.warn(
+            f"model {name!r} from {fn.__module__} replaces the one from {_MODELS[name].module}", stacklevel=2
+        )
+    summary = (fn.__doc__ or "").strip().split("\n", 1)[0]
+    _MODELS[name] = ModelInfo(name, fn, fn.__module__, summary)
     return fn
 
 
@@ -30,6 +49,13 @@ def is_model(name: str) -> bool:
     return name in _MODELS
 
 
+def model_info(name: str) -> ModelInfo:
+    """Registry metadata of a model."""
+    if name not in _MODELS:
+        raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    return _MODELS[name]
+
+
 def create_model(name: str, pretrained: str | None = None, **kwargs) -> nn.Module:
     """Build a registered model.
 
@@ -37,9 +63,7 @@ def create_model(name: str, pretrained: str | None = None, **kwargs) -> nn.Modul
     and model-specific ones such as ``stem``); ``pretrained`` is a state-dict file or a
     ``torchvision:NAME`` / ``timm:NAME`` reference handed to :func:`load_pretrained`.
     """
-    if name not in _MODELS:
-        raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    model = _MODELS[name](**kwargs)
+    model = model_info(name).fn(**kwargs)
     if pretrained:
         from .pretrained import load_pretrained
 

@@ -8,7 +8,7 @@ timm state dicts load directly. Removed blocks keep their original index in the 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 from torch import nn
@@ -31,11 +31,19 @@ class ResidualBlock(nn.Module):
                 self.add_module(name, module)
             self.step = nn.Parameter(torch.tensor(float(step)))
         self.has_branch = branch is not None
+        self.step_names = ("step",) if self.has_branch else ()
         self.downsample = shortcut
         self.relu = nn.ReLU(inplace=True)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def branch_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The step and the branch's layers: everything but the projection shortcut."""
+        for name, child in self.named_children():
+            if child is not self.downsample:
+                yield from child.named_parameters(name)
+        yield from self.named_parameters(recurse=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x if self.downsample is None else self.downsample(x)
@@ -111,8 +119,9 @@ class ResNet(NestedNet):
             raise ValueError(f"stem must be cifar, nefl or imagenet, got {stem!r}")
         self.stage_depths = tuple(layers)
         self.stage_names = tuple(f"layer{i + 1}" for i in range(len(layers)))
+        self.num_classes = num_classes
         size = img_size or (224 if stem == "imagenet" else 32)
-        self.input_size = (in_chans, size, size)
+        self.default_cfg = {"classifier": "fc", "first_conv": "conv1", "input_size": (in_chans, size, size)}
         steps = resolve_steps(steps, layers)
         block_cls, expansion = (BasicBlock, 1) if block == "basic" else (Bottleneck, 4)
 
@@ -124,10 +133,13 @@ class ResNet(NestedNet):
         self.maxpool = nn.MaxPool2d(3, 2, 1) if stem in ("nefl", "imagenet") else nn.Identity()
 
         cin = stem_width
+        stem_reduction = {"cifar": 1, "nefl": 2, "imagenet": 4}[stem]
+        self.feature_info = []
         for i, (p, stage_steps) in enumerate(zip(planes, steps)):
             width = scale_width(p * width_multiplier, gamma_w)
             cout = scale_width(p * expansion, gamma_w)
             full_in = planes[0] if i == 0 else planes[i - 1] * expansion
+            # torchvision's names: blocks keyed by their index in the full stage, gaps where removed
             blocks = OrderedDict()
             for j, s in enumerate(stage_steps):
                 stride = 2 if (j == 0 and i > 0) else 1
@@ -139,7 +151,9 @@ class ResNet(NestedNet):
                     shortcut = nn.Sequential(_conv(cin, cout, 1, stride), nn.BatchNorm2d(cout))
                 blocks[str(j)] = block_cls(cin if j == 0 else cout, width, cout, stride, s, shortcut)
             self.add_module(self.stage_names[i], nn.Sequential(blocks))
+            self.feature_info.append({"module": self.stage_names[i], "num_chs": cout, "reduction": stem_reduction * 2**i})
             cin = cout
+        self.num_features = cin
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
         self._init_weights()
@@ -154,14 +168,15 @@ class ResNet(NestedNet):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        for name in self.stage_names:
-            x = getattr(self, name)(x)
-        return torch.flatten(self.avgpool(x), 1)
+    def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv1(x)
+        x = self.bn1(x)
+        x = self.relu(x)
+        return self.maxpool(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.forward_features(x))
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = torch.flatten(self.avgpool(x), 1)
+        return x if pre_logits else self.fc(x)
 
 
 def _cifar_resnet(depth: int, **kwargs) -> ResNet:
@@ -202,14 +217,14 @@ def resnet110(**kwargs) -> ResNet:
 
 @register_model
 def resnet18(stem: str = "nefl", **kwargs) -> ResNet:
-    """ResNet-18; ``stem`` is ``nefl`` (paper's CIFAR setting), ``cifar`` or ``imagenet``."""
+    """ResNet-18 (4 x 2 basic blocks); stem nefl (the paper's CIFAR setting), cifar or imagenet."""
     kwargs.setdefault("num_classes", 10 if stem != "imagenet" else 1000)
     return ResNet("basic", (2, 2, 2, 2), stem=stem, **kwargs)
 
 
 @register_model
 def resnet34(stem: str = "nefl", **kwargs) -> ResNet:
-    """ResNet-34; ``stem`` as for :func:`resnet18`."""
+    """ResNet-34 (3/4/6/3 basic blocks); stem as for resnet18."""
     kwargs.setdefault("num_classes", 10 if stem != "imagenet" else 1000)
     return ResNet("basic", (3, 4, 6, 3), stem=stem, **kwargs)
 

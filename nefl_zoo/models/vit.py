@@ -4,12 +4,14 @@ Parameter names follow timm (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
 ``blocks.{i}.norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2``, ``norm``, ``head``) plus
 ``blocks.{i}.step_attn`` and ``blocks.{i}.step_mlp``. Width scaling narrows the embedding
 dimension, every head (all heads are kept, each to its first ``ceil(head_dim * sqrt(gamma_w))``
-dimensions, with q, k and v sliced separately) and the MLP hidden layer.
+dimensions, with q, k and v sliced separately) and the MLP hidden layer. The encoder is one
+stage (``blocks``), whose output the final ``norm`` turns into the features.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -52,6 +54,8 @@ class Mlp(nn.Module):
 class EncoderBlock(nn.Module):
     """``x = x + s_attn * Attn(LN(x)); x = x + s_mlp * MLP(LN(x))``."""
 
+    step_names = ("step_attn", "step_mlp")
+
     def __init__(self, dim: int, num_heads: int, head_dim: int, hidden: int, step: float):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -60,6 +64,10 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, hidden)
         self.step_mlp = nn.Parameter(torch.tensor(float(step)))
+
+    def branch_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """All of the block: a removed block is absent."""
+        return self.named_parameters()
 
     def forward(self, x):
         x = x + self.step_attn * self.attn(self.norm1(x))
@@ -97,10 +105,15 @@ class VisionTransformer(NestedNet):
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.stage_depths = (depth,)
         self.stage_names = ("blocks",)
-        self.input_size = (in_chans, img_size, img_size)
+        self.num_classes = num_classes
+        self.default_cfg = {
+            "classifier": "head", "first_conv": "patch_embed.proj", "input_size": (in_chans, img_size, img_size)
+        }
         self.full_head_dim = embed_dim // num_heads
         (stage_steps,) = resolve_steps(steps, (depth,))
         dim = scale_width(embed_dim, gamma_w)
+        self.num_features = dim
+        self.feature_info = [{"module": "blocks", "num_chs": dim, "reduction": patch_size}]
         head_dim = scale_width(self.full_head_dim, gamma_w)
         hidden = scale_width(int(embed_dim * mlp_ratio), gamma_w)
 
@@ -121,13 +134,16 @@ class VisionTransformer(NestedNet):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        return self.norm(self.blocks(x))[:, 0]
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.forward_features(x))
+    def forward_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, 0]  # class token
+        return x if pre_logits else self.head(x)
 
     def slice_index(self, key: str, slim_shape: torch.Size, full_shape: torch.Size) -> Index:
         """q, k and v are sliced separately and every head keeps its first dimensions."""

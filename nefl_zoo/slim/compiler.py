@@ -60,14 +60,23 @@ class CompiledTier:
 
 
 class CompiledSpec:
-    """A spec compiled against its model: global tensor layout and one :class:`CompiledTier` per tier."""
+    """A spec compiled against its model: global tensor layout and one :class:`CompiledTier` per tier.
+
+    Also what the full model declares: ``input_size``, ``stage_names``, ``num_classes``,
+    ``num_features``, ``feature_info``, ``classifier`` (module name) and ``step_keys``.
+    """
 
     def __init__(self, spec: SubmodelSpec):
         self.spec = spec
         with torch.device("meta"):
             full = create_model(spec.model, **spec.model_args)
-        self.input_size: tuple[int, int, int] = tuple(full.input_size)
+        self.input_size: tuple[int, int, int] = tuple(full.default_cfg["input_size"])
         self.stage_names: tuple[str, ...] = full.stage_names
+        self.num_classes: int = full.num_classes
+        self.num_features: int = full.num_features
+        self.feature_info: list[dict] = [dict(info) for info in full.feature_info]
+        self.classifier: str = full.default_cfg["classifier"]
+        self.step_keys: dict[str, tuple[int, int]] = full.step_keys()
         self.kinds: dict[str, str] = full.param_kinds()
         full_state = full.state_dict()
         self.full_shapes = {k: v.shape for k, v in full_state.items()}
@@ -121,8 +130,8 @@ class CompiledSpec:
                 if e.consistent:
                     continue
                 if e.kind == "steps":
-                    stage, block = key.split(".")[:2]
-                    value = ct.tier.steps[self.stage_names.index(stage)][int(block)] if ct.tier.steps else 1.0
+                    stage, block = self.step_keys[key]
+                    value = ct.tier.steps[stage][block] if ct.tier.steps else 1.0
                     state[e.global_key] = torch.tensor(float(value), dtype=self.full_dtypes[key])
                 else:
                     index = tuple(slice(0, n) for n in e.shape)
