@@ -29,7 +29,6 @@ RESNET18 = ROOT / "specs" / "resnet18" / "nefl-wd.yaml"
 
 
 def engine_overhead(rounds: int) -> dict:
-    import random
     import tempfile
 
     import torch.nn.functional as F
@@ -37,22 +36,20 @@ def engine_overhead(rounds: int) -> dict:
 
     from nefl_zoo.fl.config import load_config
     from nefl_zoo.fl.engine import Engine
-    from nefl_zoo.slim import SliceMap
 
     config = load_config(ROOT / "specs/train/digits-quick.yaml")
     engine = Engine(config, tempfile.mkdtemp())
     torch.manual_seed(0)
-    engine.state = engine.method.init_global_state()
+    strategy = engine.strategy
+    engine.state = strategy.init_global_state()
     train = config.train
     ratios, engine_s, plain_s = [], [], []
     for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
         # the same clients and submodels the engine will use in round r
-        rng = random.Random(f"{config.seed}:assign:{r}")
         jobs = []
-        for cid in engine.sample(r):
-            a = engine.method.assign(engine.groups[engine.group_of[cid]], rng)
-            net = engine.method.compiled[a.tier].build()
-            net.load_state_dict(SliceMap(dict(engine.method.entries(a))).extract(engine.state))
+        for cid, instruction in strategy.configure_train(r + 1, engine.state, engine.clients).items():
+            net = strategy.compiled[instruction.config["tier"]].build()
+            net.load_state_dict(instruction.arrays)
             jobs.append((cid, net))
         start = time.perf_counter()
         for cid, net in jobs:
@@ -131,17 +128,16 @@ def _rss_kb(field: str) -> int:
 def memory_one_tier(tier: str) -> dict:
     """(Runs in a subprocess.) Peak extra RSS of one client's local training on ``tier``."""
     from nefl_zoo.fl.client import fit
-    from nefl_zoo.fl.config import TrainConfig
     from nefl_zoo.fl.data import TensorImages
-    from nefl_zoo.fl.methods.base import SubmodelLocal
+    from nefl_zoo.fl.local import SubmodelLocal
 
     compiled = _resnet18()
     net = compiled[tier].build()
     data = TensorImages(torch.randn(160, 3, 32, 32), torch.randint(0, 10, (160,)).numpy())
-    cfg = TrainConfig(local_epochs=1, batch_size=32, lr=0.01)
+    cfg = {"local_epochs": 1, "batch_size": 32, "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "seed": 1}
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-    fit(SubmodelLocal(net), data, cfg, 0.01, 1)
+    fit(SubmodelLocal(net), data, cfg)
     peak = _rss_kb("VmHWM")
     params = sum(p.numel() for p in net.parameters())
     return {"tier": tier, "params": params, "extra_peak_mib": (peak - before) / 1024, "rss_before_mib": before / 1024}

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
+import contextlib
+
 import typer
 
 from .errors import fail, require_positive, user_errors
+from .progress import RichProgress
 
 
 def _setup(threads: int | None) -> None:
@@ -46,8 +49,9 @@ def train(
         else:
             cfg = load_config(config, set_)
             run_dir = out or Path("runs") / f"{cfg.name}-{cfg.method}-s{cfg.seed}"
-        engine = Engine(cfg, run_dir, progress=not quiet)
-        engine.run(resume=resume is not None, overwrite=overwrite)
+        engine = Engine(cfg, run_dir)
+        with RichProgress() if not quiet else contextlib.nullcontext() as progress:
+            engine.run(resume=resume is not None, overwrite=overwrite, observer=progress)
 
 
 def compare(
@@ -64,21 +68,39 @@ def compare(
     _setup(threads)
     from nefl_zoo.fl.compare import compare_methods
     from nefl_zoo.fl.config import ConfigError, load_config
-    from nefl_zoo.fl.methods import METHODS
+    from nefl_zoo.fl.strategy import registered_methods
     from nefl_zoo.spec import SpecError
 
+    known = registered_methods()
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in known]
     if not names or unknown:
-        raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
+        raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
     with user_errors(ConfigError, SpecError):
         cfg = load_config(config, set_)
-    result = compare_methods(cfg, names, seeds, out or Path("runs") / f"compare-{cfg.name}", progress=not quiet)
+    result = compare_methods(cfg, names, seeds, out or Path("runs") / f"compare-{cfg.name}", None if quiet else RichProgress)
     typer.echo(result.markdown)
     typer.echo(f"wrote {result.results_md} and {result.plot}")
 
 
+def methods() -> None:
+    """List the registered FL methods with their ``method_args`` and defaults."""
+    from rich.table import Table
+
+    from nefl_zoo.fl.strategy import registered_methods
+
+    from .console import console
+
+    table = Table("method", "label", "method_args (defaults)", "description")
+    for name, cls in registered_methods().items():
+        args = ", ".join(f"{k}: {f.default}" for k, f in cls.Settings.model_fields.items()) or "none"
+        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
+        table.add_row(name, cls.label, args, summary)
+    console().print(table)
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``train`` and ``compare`` to the ``nefl-zoo`` app."""
+    """Add ``train``, ``compare`` and ``methods`` to the ``nefl-zoo`` app."""
     app.command("train")(train)
     app.command("compare")(compare)
+    app.command("methods")(methods)

@@ -33,7 +33,12 @@ def test_overrides_are_typed_and_nested():
     "data, field, words",
     [
         ({"spec": SPEC, "roundz": 3}, "roundz", "unknown key"),
-        ({"spec": SPEC, "method": "fedprox"}, "method", "nefl"),
+        ({"spec": SPEC, "method": "fedproxx"}, "method", "nefl, heterofl, fjord, depthfl, fedavg, fedavg_min, fedavg_full, fedprox"),
+        ({"spec": SPEC, "method": "fedprox", "method_args": {"mu": -1}}, "method_args.mu", "fedprox: Input should be greater than or equal to 0"),
+        ({"spec": SPEC, "method": "nefl", "method_args": {"kd": True}}, "method_args.kd", "nefl: unknown key"),
+        ({"spec": SPEC, "method": "fjord", "method_args": {"kd": "maybe"}}, "method_args.kd", "fjord: Input should be a valid boolean"),
+        ({"spec": SPEC, "method": "fjord", "train": {"kd": True}}, "train.kd", "moved to method_args.kd (method: fjord)"),
+        ({"spec": SPEC, "eval": {"bn_recompute_batches": 5}}, "eval.bn_recompute_batches", "moved to method_args.bn_recompute_batches"),
         ({"spec": SPEC, "rounds": 0}, "rounds", "greater than"),
         ({"spec": SPEC, "train": {"schedule": "linear"}}, "train.schedule", "step"),
         ({"spec": SPEC, "data": {"alpha": -1}}, "data.alpha", "greater than"),
@@ -70,6 +75,15 @@ def test_relative_spec_path_is_resolved_against_the_config(tmp_path):
     config = load_config(tmp_path / "c.yaml")
     assert config.submodel_spec().tiers[0].name == "only"
     assert config.to_dict()["spec"]["model"] == "resnet20"
+
+
+def test_method_args_are_the_methods_own_settings_and_saved_with_their_defaults():
+    config = parse_config({"spec": SPEC, "method": "fjord", "method_args": {"kd": True}})
+    assert config.build_strategy().settings.kd is True
+    assert config.to_dict()["method_args"] == {"kd": True}
+    assert parse_config({"spec": SPEC, "method": "heterofl"}).to_dict()["method_args"] == {"bn_recompute_batches": 20}
+    other = config.with_method("fedprox", seed=3)  # another method starts from its own defaults
+    assert (other.method, other.seed, other.build_strategy().settings.mu) == ("fedprox", 3, 0.01)
 
 
 def test_learning_rate_schedules():

@@ -3,12 +3,16 @@
 import json
 import random
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.data import TensorDataset
 
 from nefl_zoo.fl.config import parse_config
 from nefl_zoo.fl.engine import Engine, client_groups
+from nefl_zoo.fl.methods import Assignment
 from nefl_zoo.fl.methods.fjord import nested_entry
 from nefl_zoo.slim import compile_spec, tier_key
 
@@ -95,9 +99,10 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full"])
 def test_each_baseline_runs_a_round(tmp_path, method):
-    engine = Engine(tiny(method=method, rounds=1, train__local_epochs=1, train__kd=method == "fjord"), tmp_path)
+    args = {"kd": True} if method == "fjord" else {}
+    engine = Engine(tiny(method=method, rounds=1, train__local_epochs=1, method_args=args), tmp_path)
     torch.manual_seed(0)  # the engine seeds its initial state with the config seed (0)
-    init = engine.method.init_global_state()
+    init = engine.strategy.init_global_state()
     result = engine.run()
     assert all(0 <= a <= 1 for a in result.acc.values())
     final = load_file(str(tmp_path / "global.safetensors"))
@@ -119,7 +124,7 @@ def test_communication_is_the_submodel_size(tmp_path):
     engine = Engine(tiny(rounds=1, clients__environment="fixed", clients__num_clients=3), tmp_path)
     engine.run()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    compiled = engine.method.compiled
+    compiled = engine.strategy.compiled
     itemsize = {k: torch.empty((), dtype=d).element_size() for k, d in compiled.full_dtypes.items()}
     sizes = [sum(e.numel * itemsize[k] for k, e in compiled[t].slice_map.items()) for t in ("g0.25", "g0.5", "g1")]
     assert record["tiers"] == {"g0.25": 1, "g0.5": 1, "g1": 1}
@@ -145,10 +150,7 @@ def test_nested_entry_gives_views_of_the_wider_tensor():
 
 
 def test_heterofl_static_bn_and_scaler():
-    from nefl_zoo.fl.methods import build_method
-    from nefl_zoo.fl.methods.base import Assignment
-
-    method = build_method(tiny(method="heterofl"))
+    method = tiny(method="heterofl", method_args={"bn_recompute_batches": 2}).build_strategy()
     a = Assignment("g0.25", ("g0.25",))
     entries = method.entries(a)
     assert not any(k.endswith(("running_mean", "running_var")) for k in entries)
@@ -165,16 +167,17 @@ def test_heterofl_static_bn_and_scaler():
     torch.testing.assert_close(conv_out["o"], expected)
     assert torch.equal(local.net.bn1.running_mean, torch.zeros_like(local.net.bn1.running_mean))
     assert set(local.state()) == set(entries)
-    batches = [(torch.randn(16, 1, 8, 8) + 3, None) for _ in range(2)]
-    net = method.eval_model(state, "g0.25", batches)
-    assert not net.training and float(net.bn1.running_mean.abs().sum()) > 0
+    images = (torch.randn(1, 1, 8, 8) + 3).expand(48, 1, 8, 8).contiguous()  # one image, so every batch agrees
+    data = SimpleNamespace(train_eval=TensorDataset(images, torch.zeros(48, dtype=torch.long)))
+    net = method.eval_model(state, "g0.25", data)
+    assert not net.training
+    # recomputed from scratch as a cumulative average (default momentum would mix in the old 0)
+    stem = torch.nn.functional.conv2d(images[:1], state["conv1.weight"][: net.conv1.out_channels], padding=1)
+    torch.testing.assert_close(net.bn1.running_mean, stem.mean((0, 2, 3)))
 
 
 def test_fjord_narrow_width_trains_a_prefix_of_the_wide_tensors():
-    from nefl_zoo.fl.methods import build_method
-    from nefl_zoo.fl.methods.base import Assignment
-
-    method = build_method(tiny(method="fjord"))
+    method = tiny(method="fjord").build_strategy()
     a = method.assign(["g0.25", "g0.5", "g1"], random.Random(0))
     assert a == Assignment("g1", ("g0.25", "g0.5", "g1"))
     torch.manual_seed(0)
@@ -193,11 +196,9 @@ def test_fjord_narrow_width_trains_a_prefix_of_the_wide_tensors():
 
 
 def test_depthfl_maps_resources_to_stage_prefixes():
-    from nefl_zoo.fl.methods import build_method
-
-    method = build_method(tiny(method="depthfl"))
+    method = tiny(method="depthfl").build_strategy()
     assert method.tier_names == ["d1", "d2", "d3"]
     assert method.size["d1"] < method.size["d2"] < method.size["d3"]
-    assert method.map_tier("g1") == "d3"
+    assert method.assign(["g0.5", "g1"], random.Random(0)).tier == "d3"
     held = method.entries(method.assign(["g0.25"], random.Random(0)))
     assert not any(k.startswith(("layer3.", "fc.", "exits.2.")) for k in held)

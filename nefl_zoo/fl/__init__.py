@@ -1,18 +1,18 @@
-"""Nested federated training: config, data, client training, NeFedAvg, methods and the engine.
+"""Nested federated training: config, data, the strategy interface, methods and engines.
 
-Client training (:func:`fit`) and server aggregation (:func:`nefedavg`) are plain functions over
-state dicts and slice maps; :class:`Engine` runs them in-process, methods (``nefl``,
-``heterofl``, ``fjord``, ``depthfl``, ``fedavg*``) are strategy objects in :mod:`.methods`.
+Every method is a :class:`Strategy` (Flower-shaped hooks, registered by name); client training
+(:func:`fit`) and server aggregation (:func:`nefedavg`) are plain functions; :class:`Engine`
+runs the hooks in-process and a :class:`~.store.RunStore` owns the run directory.
 """
 
 from .aggregate import Update, check_update, nefedavg
 from .client import ClientResult, evaluate, fit, learning_rate
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .engine import Engine, RunResult, train
-from .methods import METHODS, Method, build_method
+from .strategy import ClientInfo, Instruction, MethodSettings, Reply, Strategy, get_method, register_method, registered_methods
 
 __all__ = [
-    "METHODS", "ClientResult", "ConfigError", "Engine", "Method", "RunConfig", "RunResult", "Update",
-    "build_method", "check_update", "evaluate", "fit", "learning_rate", "load_config", "nefedavg",
-    "parse_config", "train",
+    "ClientInfo", "ClientResult", "ConfigError", "Engine", "Instruction", "MethodSettings", "Reply", "RunConfig",
+    "RunResult", "Strategy", "Update", "check_update", "evaluate", "fit", "get_method", "learning_rate", "load_config",
+    "nefedavg", "parse_config", "register_method", "registered_methods", "train",
 ]

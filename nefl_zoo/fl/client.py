@@ -1,20 +1,21 @@
-"""Local training and evaluation as plain functions (a Flower ClientApp can call them as is)."""
+"""Local training and evaluation as plain functions, driven by an instruction's flat config."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .config import TrainConfig
-from .methods.base import LocalModel
+from .local import LocalModel
+from .settings import TrainConfig
 
 
 @dataclass
 class ClientResult:
-    """What a client returns: its trained tensors, its sample count and training metrics."""
+    """What local training produced: the trained tensors, the sample count and metrics."""
 
     state: dict[str, torch.Tensor]
     num_samples: int
@@ -37,28 +38,31 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
     return cfg.lr
 
 
-def fit(local: LocalModel, dataset: Dataset, cfg: TrainConfig, lr: float, seed: int) -> ClientResult:
-    """Train ``local`` for ``cfg.local_epochs`` epochs of SGD on ``dataset``.
+def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
+    """SGD on ``dataset`` as an instruction's ``config`` says (``lr``, ``local_epochs``,
+    ``batch_size``, ``momentum``, ``weight_decay``, optional ``grad_clip``, ``seed``).
 
     All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
     global RNG state is left untouched, so results do not depend on what ran before.
     """
+    seed, grad_clip = int(config["seed"]), config.get("grad_clip")
     params = [p for p in local.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
     total_loss, correct, seen = 0.0, 0, 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        loader = DataLoader(dataset, batch_size=int(config["batch_size"]), shuffle=True, generator=generator)
         local.train()
-        for _ in range(cfg.local_epochs):
+        for _ in range(int(config["local_epochs"])):
             for x, y in loader:
                 if len(y) < 2:  # BatchNorm cannot train on a single sample
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 loss, logits = local.loss(x, y)
                 loss.backward()
-                if cfg.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
                 optimizer.step()
                 total_loss += float(loss.detach()) * len(y)
                 correct += int((logits.argmax(1) == y).sum())

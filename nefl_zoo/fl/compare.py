@@ -8,14 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import RunConfig
-from .engine import Engine, RunResult
-from .methods import build_method
+from typing import Callable
 
-LABELS = {
-    "nefl": "NeFL", "heterofl": "HeteroFL", "fjord": "FjORD", "depthfl": "DepthFL",
-    "fedavg": "FedAvg (full model)", "fedavg_min": "FedAvg (smallest model)", "fedavg_full": "FedAvg (full-model clients)",
-}
+from .config import RunConfig
+from .engine import Engine, RunObserver, RunResult
+from .strategy import get_method
 
 
 @dataclass
@@ -46,18 +43,18 @@ def results_table(config: RunConfig, runs: dict[str, list[RunResult]]) -> str:
         "|---|---|---|---|",
     ]
     for method, results in runs.items():
-        lines.append(f"| {spec.model} | {LABELS[method]} | {_mean_std([r.worst for r in results])} | {_mean_std([r.avg for r in results])} |")
+        lines.append(f"| {spec.model} | {get_method(method).label} | {_mean_std([r.worst for r in results])} | {_mean_std([r.avg for r in results])} |")
     lines += ["", "Per submodel (mean over seeds):", "", "| Method | " + "submodel: accuracy |", "|---|---|"]
     for method, results in runs.items():
         cells = ", ".join(f"{t}: {100 * np.mean([r.acc[t] for r in results]):.2f}" for t in results[0].acc)
-        lines.append(f"| {LABELS[method]} | {cells} |")
+        lines.append(f"| {get_method(method).label} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
 def _macs(config: RunConfig, method: str) -> dict[str, int]:
     from ..profile import profile_tiers
 
-    compiled = build_method(config.model_copy(update={"method": method}), config.submodel_spec()).compiled
+    compiled = config.with_method(method).build_strategy().compiled
     return {p.name: p.macs for p in profile_tiers(compiled)}
 
 
@@ -74,7 +71,7 @@ def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], p
         tiers = sorted(results[0].acc, key=macs.__getitem__)
         acc = np.array([[100 * r.acc[t] for t in tiers] for r in results])
         x = [macs[t] / 1e6 for t in tiers]
-        ax.errorbar(x, acc.mean(0), yerr=acc.std(0), marker="o", capsize=3, label=LABELS[method])
+        ax.errorbar(x, acc.mean(0), yerr=acc.std(0), marker="o", capsize=3, label=get_method(method).label)
     ax.set_xlabel("MACs per image (millions)")
     ax.set_ylabel("top-1 accuracy (%)")
     ax.set_title(f"{config.submodel_spec().model} on {config.data.dataset}")
@@ -85,15 +82,21 @@ def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], p
     plt.close(fig)
 
 
-def compare_methods(config: RunConfig, methods: list[str], seeds: int, out: str | Path, progress: bool = False) -> Comparison:
-    """Train every method with seeds ``config.seed .. config.seed + seeds - 1`` into ``out``."""
+def compare_methods(
+    config: RunConfig, methods: list[str], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None
+) -> Comparison:
+    """Train every method with seeds ``config.seed .. config.seed + seeds - 1`` into ``out``.
+
+    The config's ``method_args`` apply to its own method; the other methods use their defaults.
+    ``observer`` makes one observer per run (e.g. a progress bar)."""
     out = Path(out)
     runs: dict[str, list[RunResult]] = {}
     for method in methods:
         runs[method] = []
         for s in range(seeds):
-            cfg = config.model_copy(update={"method": method, "seed": config.seed + s})
-            runs[method].append(Engine(cfg, out / method / f"seed{cfg.seed}", progress).run(overwrite=True))
+            cfg = config.with_method(method, config.seed + s)
+            engine = Engine(cfg, out / method / f"seed{cfg.seed}")
+            runs[method].append(engine.run(overwrite=True, observer=observer() if observer else None))
     markdown = results_table(config, runs)
     results_md, plot = out / "results.md", out / "accuracy_vs_macs.png"
     results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n![accuracy vs MACs]({plot.name})\n")

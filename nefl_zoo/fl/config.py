@@ -1,94 +1,39 @@
 """Training configuration: a strict pydantic model loaded from YAML, with ``--set`` overrides.
 
-A config names the method, the submodel spec (a file path or an inline mapping), the data and
-its partition, the client environment, local training and evaluation. Every problem is raised
-as a one-line :class:`ConfigError` ``FILE: FIELD: message``.
+A config names the method and its own settings (``method_args``, validated by the method's
+settings model from the registry), the submodel spec (a file path or an inline mapping), the
+data and its partition, the client environment, local training and evaluation (the shared
+sections of :mod:`.settings`). Every problem is raised as a one-line :class:`ConfigError`
+``FILE: FIELD: message``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..spec import SpecError, SubmodelSpec, format_validation_error, load_spec, parse_spec
+from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
+from .strategy import Strategy, get_method, parse_settings, registered_methods
 
 class ConfigError(SpecError):
     """A training-config problem, printed as ``FILE: FIELD: message``."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# keys that moved from the shared sections into a method's own ``method_args``
+MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
+         ("eval", "bn_recompute_batches"): "method_args.bn_recompute_batches (method: heterofl)"}
 
 
-class DataConfig(_Strict):
-    """Dataset, preprocessing and partition over clients."""
-
-    dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder"] = "digits"
-    root: str = Field("data", description="folder holding the dataset files (not used by digits)")
-    download: bool = Field(False, description="let torchvision download the dataset (needs a network)")
-    augment: bool = Field(True, description="NeFL-appendix augmentation (random crop, flip/jitter)")
-    partition: Literal["iid", "dirichlet", "shards"] = "iid"
-    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
-    shards_per_client: int = Field(2, ge=1, description="label shards per client (partition: shards)")
-    test_fraction: float = Field(0.25, gt=0, lt=1, description="digits only: held-out test share")
-    max_test_samples: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
-
-
-class ClientsConfig(_Strict):
-    """Client population and the environment that decides which submodels a client may train.
-
-    ``environment: dynamic`` is the paper's: as many equal client groups as submodels, group i
-    picking each round at random among submodels i-2..i+2 (with 5 submodels: tier 1 from
-    {1,2,3}, ..., tier 5 from {3,4,5}). ``fixed``: group i always trains submodel i.
-    ``groups`` (a list of lists of tier names) replaces both with explicit equal-size groups.
-    """
-
-    num_clients: int = Field(100, ge=1)
-    fraction: float = Field(0.1, gt=0, le=1, description="share of clients sampled per round")
-    environment: Literal["dynamic", "fixed"] = "dynamic"
-    groups: list[list[str]] | None = Field(None, description="explicit allowed tiers per client group")
-
-    @field_validator("groups")
-    @classmethod
-    def _non_empty(cls, v: list[list[str]] | None) -> list[list[str]] | None:
-        if v is not None and (not v or any(not g for g in v)):
-            raise ValueError("every group needs at least one tier name")
-        return v
-
-
-class TrainConfig(_Strict):
-    """Local training of every client (the same for every method)."""
-
-    local_epochs: int = Field(5, ge=1)
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.1, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["step", "cosine", "constant"] = Field(
-        "step", description="step: x0.1 at T/2 and 3T/4 (the paper's); cosine: with warm-up"
-    )
-    warmup_rounds: int = Field(0, ge=0, description="linear warm-up rounds (schedule: cosine)")
-    grad_clip: float | None = Field(None, gt=0, description="max gradient norm, none = off")
-    weighting: Literal["clients", "samples"] = Field(
-        "clients", description="NeFedAvg weights: per client (the paper) or per sample"
-    )
-    kd: bool = Field(False, description="fjord: self-distillation from the client's largest width")
-
-
-class EvalConfig(_Strict):
-    every: int = Field(5, ge=1, description="evaluate every N rounds (and after the last)")
-    batch_size: int = Field(256, ge=1)
-    bn_recompute_batches: int = Field(20, ge=1, description="heterofl: training batches for static BN")
-
-
-class RunConfig(_Strict):
+class RunConfig(Strict):
     """A whole training run. ``spec`` is a spec file (relative to the config) or a mapping."""
 
     name: str = "run"
-    method: str = Field("nefl", description="a registered method, see nefl_zoo.fl.methods.METHODS")
+    method: str = Field("nefl", description="a registered method (`nefl-zoo methods`)")
+    method_args: dict[str, Any] = Field(default_factory=dict, description="the method's own settings")
     seed: int = 0
     rounds: int = Field(500, ge=1)
     spec: str | dict[str, Any]
@@ -98,14 +43,14 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N rounds")
     _base_dir: Path = PrivateAttr(default_factory=Path)  # relative paths are resolved against it
+    _spec: SubmodelSpec | None = PrivateAttr(None)  # parsed once
 
     @field_validator("method")
     @classmethod
     def _known_method(cls, name: str) -> str:
-        from .methods import METHODS  # the registry is the one list of method names
-
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; one of {', '.join(METHODS)}")
+        known = registered_methods()
+        if name not in known:
+            raise ValueError(f"unknown method {name!r}; one of {', '.join(known)}")
         return name
 
     @model_validator(mode="after")
@@ -115,11 +60,30 @@ class RunConfig(_Strict):
         return self
 
     def submodel_spec(self) -> SubmodelSpec:
-        """The spec, loaded from its file or validated from the inline mapping."""
-        if isinstance(self.spec, dict):
-            return parse_spec(self.spec, "spec")
-        path = Path(self.spec)
-        return load_spec(path if path.is_absolute() else self._base_dir / path)
+        """The spec, loaded from its file or validated from the inline mapping (once)."""
+        if self._spec is None:
+            if isinstance(self.spec, dict):
+                self._spec = parse_spec(self.spec, "spec")
+            else:
+                path = Path(self.spec)
+                self._spec = load_spec(path if path.is_absolute() else self._base_dir / path)
+        return self._spec
+
+    def with_method(self, method: str, seed: int | None = None) -> "RunConfig":
+        """This config for another method (its default ``method_args`` unless it is this
+        config's own method) and optionally another seed."""
+        update = {"method": method, "seed": self.seed if seed is None else seed}
+        if method != self.method:
+            update["method_args"] = {}
+        return self.model_copy(update=update)
+
+    def build_strategy(self) -> Strategy:
+        """The method's strategy object, set up from this config."""
+        cls = get_method(self.method)
+        return cls(
+            self.submodel_spec(), self.train, parse_settings(self.method, self.method_args),
+            seed=self.seed, rounds=self.rounds, fraction=self.clients.fraction, eval_batch_size=self.eval.batch_size,
+        )
 
     def data_root(self) -> Path:
         root = Path(self.data.root)
@@ -128,6 +92,7 @@ class RunConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """A JSON/YAML-safe dict with the spec inlined, so a run directory is self-contained."""
         out = self.model_dump(mode="json")
+        out["method_args"] = parse_settings(self.method, self.method_args).model_dump(mode="json")
         out["spec"] = self.submodel_spec().model_dump(mode="json", exclude_none=True)
         out["data"]["root"] = str(self.data_root())
         return out
@@ -169,10 +134,18 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
     """Validate a config mapping; raise :class:`ConfigError` on the first problem (the spec too)."""
     if not isinstance(data, dict):
         raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
+    for (section, key), target in MOVED.items():
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(source, f"{section}.{key}", f"moved to {target}")
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise _format(source, exc) from None
+    try:
+        parse_settings(config.method, config.method_args)
+    except ValidationError as exc:
+        err = _format(source, exc)
+        raise ConfigError(source, f"method_args.{err.field}" if err.field else "method_args", f"{config.method}: {err.message}") from None
     config._base_dir = Path(base_dir)
     try:
         spec = config.submodel_spec()

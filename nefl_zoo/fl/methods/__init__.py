@@ -1,24 +1,11 @@
-"""Methods as strategy objects over the shared engine (see :class:`~.base.Method`)."""
+"""The built-in methods, each a small :class:`~nefl_zoo.fl.strategy.Strategy` registered by
+name (importing this package registers them, in this order)."""
 
-from __future__ import annotations
+from .nefl import Assignment, NeFL  # isort: skip
+from .heterofl import HeteroFL  # isort: skip
+from .fjord import FjORD  # isort: skip
+from .depthfl import DepthFL  # isort: skip
+from .fedavg import FedAvg, FedAvgFull, FedAvgMin  # isort: skip
+from .fedprox import FedProx  # isort: skip
 
-from ...spec import SubmodelSpec
-from ..config import RunConfig
-from .base import Assignment, LocalModel, Method, SubmodelLocal
-from .depthfl import DepthFL
-from .fedavg import FedAvg, FedAvgFull, FedAvgMin
-from .fjord import FjORD
-from .heterofl import HeteroFL
-from .nefl import NeFL
-
-METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (NeFL, HeteroFL, FjORD, DepthFL, FedAvg, FedAvgMin, FedAvgFull)
-}
-
-
-def build_method(config: RunConfig, spec: SubmodelSpec | None = None) -> Method:
-    """The strategy object for ``config.method``."""
-    return METHODS[config.method](spec or config.submodel_spec(), config)
-
-
-__all__ = ["Assignment", "LocalModel", "Method", "SubmodelLocal", "METHODS", "build_method"]
+__all__ = ["Assignment", "DepthFL", "FedAvg", "FedAvgFull", "FedAvgMin", "FedProx", "FjORD", "HeteroFL", "NeFL"]

@@ -1,11 +1,11 @@
 """DepthFL: depth-prefix submodels with a bottleneck classifier at every exit and mutual
 self-distillation between exits.
 
-A submodel of depth d keeps the stem and the first d stages (groups of blocks) of a zoo ResNet.
-Each stage's output feeds its own exit classifier, stored in the global state under the extra
-keys ``exits.{i}.*`` (consistent, so every exit is averaged over the clients holding it). The
-model's own ``fc`` and the blocks of stages a client does not hold are neither sent nor trained.
-A submodel's prediction is its deepest exit.
+A submodel of depth d keeps the stem and the first d stages of a zoo model whose stages output
+feature maps (the ResNets). Each stage's output (``forward_intermediates``) feeds its own exit
+classifier, stored in the global state under the extra keys ``exits.{i}.*`` (consistent, so
+every exit is averaged over the clients holding it). The model's own classifier and the stages
+a client does not hold are neither sent nor trained. A submodel's prediction is its deepest exit.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.resnet import ResNet
-from ...slim import SliceEntry
+from ...slim import SliceEntry, SliceMap
 from ...spec import SubmodelSpec, TierSpec, stage_depths
-from .base import Assignment, LocalModel, Method, load_entries
+from ..local import LocalModel, load_entries
+from ..strategy import register_method
+from .nefl import Assignment, NeFL
 
 EXIT_PREFIX = "exits"
 
@@ -34,20 +35,16 @@ def exit_head(channels: int, num_classes: int) -> nn.Sequential:
 
 
 class _ExitsNet(LocalModel):
-    """The first ``depth`` stages of a slim ResNet with an exit classifier after each."""
+    """The first ``len(exits)`` stages of a slim model with an exit classifier after each."""
 
-    def __init__(self, net: ResNet, exits: nn.ModuleList, held: set[str]):
+    def __init__(self, net: nn.Module, exits: nn.ModuleList, held: set[str]):
         super().__init__()
         self.net, self.exits, self.held = net, exits, held
 
     def all_logits(self, x: torch.Tensor) -> list[torch.Tensor]:
-        net = self.net
-        x = net.maxpool(net.relu(net.bn1(net.conv1(x))))
-        out = []
-        for name, head in zip(net.stage_names, self.exits):
-            x = getattr(net, name)(x)
-            out.append(head(x))
-        return out
+        stages = list(range(len(self.exits)))
+        features = self.net.forward_intermediates(x, indices=stages, stop_early=True, intermediates_only=True)
+        return [head(f) for head, f in zip(self.exits, features)]
 
     def forward(self, x):
         return self.all_logits(x)[-1]
@@ -68,19 +65,15 @@ class _ExitsNet(LocalModel):
         return out
 
 
-class DepthFL(Method):
+@register_method("depthfl", label="DepthFL")
+class DepthFL(NeFL):
     """DepthFL (Kim et al.): one tier per stage prefix (``d1`` .. ``dS``); a client trains the
     deepest prefix whose parameters (exits included) fit its largest allowed resource level."""
 
-    name = "depthfl"
-
-    def __init__(self, spec: SubmodelSpec, config):
-        super().__init__(spec, config)
-        full = self.compiled.create_global_model()
-        if not isinstance(full, ResNet):
-            raise ValueError(f"depthfl needs a zoo ResNet, got {spec.model}")
-        self._widths = [self._stage_channels(full, name) for name in full.stage_names]
-        self.num_classes = full.fc.out_features
+    def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
+        super().__init__(spec, train, settings, **run)
+        self._check_feature_maps()
+        self._widths = [info["num_chs"] for info in self.compiled.feature_info]
         self.depth = {t: i + 1 for i, t in enumerate(self.tier_names)}
         self._exit_entries = self._exit_slices()
         self.held = {t: self._held(t) for t in self.tier_names}
@@ -94,43 +87,44 @@ class DepthFL(Method):
         ]
         return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["steps"])
 
-    @staticmethod
-    def _stage_channels(full: ResNet, name: str) -> int:
-        """Output channels of a stage of the full model (the last conv of its last block)."""
-        return [m for m in getattr(full, name).modules() if isinstance(m, nn.Conv2d)][-1].out_channels
+    def _check_feature_maps(self) -> None:
+        with torch.device("meta"):
+            net = self.compiled.create_global_model()
+            features = net.forward_intermediates(torch.empty(2, *self.compiled.input_size), intermediates_only=True)
+        if any(f.ndim != 4 for f in features):
+            raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {self.run_spec.model}")
 
     def _exits(self, depth: int) -> nn.ModuleList:
-        return nn.ModuleList(exit_head(c, self.num_classes) for c in self._widths[:depth])
+        return nn.ModuleList(exit_head(c, self.compiled.num_classes) for c in self._widths[:depth])
 
-    def _exit_slices(self) -> dict[str, SliceEntry]:
+    def _exit_slices(self) -> list[dict[str, SliceEntry]]:
+        """Per exit, the entries of its tensors (keys ``exits.{i}.*``)."""
         with torch.device("meta"):
             heads = self._exits(len(self._widths))
-        out = {}
-        for mname, module in heads.named_modules():
-            kind = "norm" if isinstance(module, nn.BatchNorm2d) else "weight"
-            for name, v in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-                key = f"{EXIT_PREFIX}.{mname}.{name}"
-                out[key] = SliceEntry(key, (), tuple(v.shape), kind, True)
+        out = []
+        for i, head in enumerate(heads):
+            entries = {}
+            for mname, module in head.named_modules(prefix=f"{EXIT_PREFIX}.{i}"):
+                kind = "norm" if isinstance(module, nn.BatchNorm2d) else "weight"
+                for name, v in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                    entries[f"{mname}.{name}"] = SliceEntry(f"{mname}.{name}", (), tuple(v.shape), kind, True)
+            out.append(entries)
         return out
 
     def _held(self, tier: str) -> dict[str, SliceEntry]:
         depth = self.depth[tier]
-        stages = self.compiled.stage_names
-        kept = tuple(f"{s}." for s in stages[:depth])
-        out = {
-            k: e for k, e in self.compiled[tier].slice_map.items()
-            if k.startswith(kept) or not k.startswith((*(f"{s}." for s in stages), "fc."))
-        }
-        out.update({k: e for k, e in self._exit_entries.items() if int(k.split(".")[1]) < depth})
+        stages = [f"{info['module']}." for info in self.compiled.feature_info]
+        dropped = (*stages[depth:], f"{self.compiled.classifier}.")
+        out = {k: e for k, e in self.compiled[tier].slice_map.items() if not k.startswith(dropped)}
+        for entries in self._exit_entries[:depth]:
+            out.update(entries)
         return out
 
-    def map_tier(self, level: str) -> str | None:
+    def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
+        level = self.largest(levels)
         budget = self.level_size[level] / max(self.level_size.values()) * max(self.size.values())
         fitting = [t for t in self.tier_names if self.size[t] <= budget]
-        return fitting[-1] if fitting else self.tier_names[0]
-
-    def assign(self, allowed: list[str], rng: random.Random) -> Assignment | None:
-        tier = self.map_tier(self.largest(allowed))
+        tier = fitting[-1] if fitting else self.tier_names[0]
         return Assignment(tier, (tier,))
 
     def init_global_state(self) -> dict[str, torch.Tensor]:
@@ -141,19 +135,18 @@ class DepthFL(Method):
     def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
         return self.held[assignment.tier]
 
-    def _model(self, tier: str, state: Mapping[str, torch.Tensor]) -> _ExitsNet:
+    def _model(self, tier: str, arrays: Mapping[str, torch.Tensor]) -> _ExitsNet:
         net = self.compiled[tier].build()
         held = self.held[tier]
         unused = [k for k in self.compiled[tier].slice_map if k not in held]
-        load_entries(net, {k: v for k, v in state.items() if not k.startswith(f"{EXIT_PREFIX}.")}, unused)
-        exits = self._exits(self.depth[tier])
         prefix = f"{EXIT_PREFIX}."
-        exits.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+        load_entries(net, {k: v for k, v in arrays.items() if not k.startswith(prefix)}, unused)
+        exits = self._exits(self.depth[tier])
+        exits.load_state_dict({k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)})
         return _ExitsNet(net, exits, set(held))
 
-    def local_model(self, assignment, state):
-        return self._model(assignment.tier, state)
+    def local_model(self, assignment, arrays):
+        return self._model(assignment.tier, arrays)
 
-    def eval_model(self, global_state, tier, bn_batches=None):
-        entries = self.held[tier]
-        return self._model(tier, {k: e.gather(global_state[e.global_key]).clone() for k, e in entries.items()}).eval()
+    def eval_model(self, global_state, tier, data):
+        return self._model(tier, SliceMap(dict(self.held[tier])).extract(global_state)).eval()

@@ -9,10 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pydantic import Field
+
 from ...slim import SliceEntry, tier_key
 from ...spec import SubmodelSpec
-from .base import Assignment, LocalModel, Method, load_entries
+from ..local import LocalModel, load_entries
+from ..strategy import MethodSettings, register_method
 from .heterofl import width_spec
+from .nefl import Assignment, NeFL
 
 
 def _positions(index) -> torch.Tensor:
@@ -47,7 +51,7 @@ class _OrderedDropoutLocal(LocalModel):
     so its gradients land in the widest module's tensors.
     """
 
-    def __init__(self, method: "FjORD", assignment: Assignment, state: Mapping[str, torch.Tensor], kd: bool):
+    def __init__(self, method: "FjORD", assignment: Assignment, state: Mapping[str, torch.Tensor]):
         super().__init__()
         compiled, top = method.compiled, assignment.tier
         self.net = compiled[top].build()
@@ -66,7 +70,7 @@ class _OrderedDropoutLocal(LocalModel):
                     p.requires_grad_(False)  # replaced by views of the widest module's tensors
             self.narrow.append(sub)
             self.views.append(views)
-        self.kd = kd
+        self.kd = method.settings.kd
 
     def _narrow_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
         top = dict(self.net.named_parameters()) | dict(self.net.named_buffers())
@@ -96,19 +100,25 @@ class _OrderedDropoutLocal(LocalModel):
         return out
 
 
-class FjORD(Method):
+class FjORDSettings(MethodSettings):
+    """``method_args`` of ``fjord``."""
+
+    kd: bool = Field(False, description="self-distillation from the client's widest submodel")
+
+
+@register_method("fjord", label="FjORD", settings=FjORDSettings)
+class FjORD(NeFL):
     """FjORD (Horvath et al.): a client's maximum width is the largest its environment allows;
     every local batch trains a width p <= max sampled from the allowed widths, with separate
-    BN per width; ``train.kd`` adds self-distillation from the maximum width (alpha = T = 1)."""
-
-    name = "fjord"
+    BN per width; ``method_args.kd`` adds self-distillation from the maximum width
+    (alpha = T = 1)."""
 
     def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
         return width_spec(spec, ["steps", "norm"])
 
-    def assign(self, allowed: list[str], rng: random.Random) -> Assignment | None:
-        top = self.largest(allowed)
-        widths = tuple(t for t in self.tier_names if t in allowed and self.level_size[t] <= self.level_size[top])
+    def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
+        top = self.largest(levels)
+        widths = tuple(t for t in self.tier_names if t in levels and self.level_size[t] <= self.level_size[top])
         return Assignment(top, widths)
 
     def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
@@ -120,5 +130,5 @@ class FjORD(Method):
                         out[tier_key(k, tier)] = e
         return out
 
-    def local_model(self, assignment, state):
-        return _OrderedDropoutLocal(self, assignment, state, self.config.train.kd)
+    def local_model(self, assignment, arrays):
+        return _OrderedDropoutLocal(self, assignment, arrays)

@@ -1,16 +1,21 @@
-"""HeteroFL: width-only submodels, a fixed width per client, static BN and the width scaler."""
+"""HeteroFL: width-only submodels, static BN and the width scaler."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Mapping
 
 import torch
+from pydantic import Field
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ...slim import SliceEntry
 from ...spec import SubmodelSpec, TierSpec
-from .base import Assignment, Method, SubmodelLocal, load_entries
+from ..local import SubmodelLocal, load_entries
+from ..strategy import MethodSettings, register_method
+from .nefl import Assignment, NeFL
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -40,17 +45,22 @@ class _ScaledLocal(SubmodelLocal):
         return {k: v for k, v in super().state().items() if not k.endswith(_STATS)}
 
 
-class HeteroFL(Method):
+class HeteroFLSettings(MethodSettings):
+    """``method_args`` of ``heterofl``."""
+
+    bn_recompute_batches: int = Field(20, ge=1, description="training batches for the static BN statistics")
+
+
+@register_method("heterofl", label="HeteroFL", settings=HeteroFLSettings)
+class HeteroFL(NeFL):
     """HeteroFL (Diao et al.): shared BN affine, static BN, scaler, count-averaged slices.
 
     A client trains the width its environment gives it (``environment: fixed``: one width per
     client, HeteroFL's static setting; ``dynamic``: a random allowed width each round, as in
     HeteroFL's dynamic experiments and NeFL's comparison, so every width is trained). BN running
-    statistics are not trained or sent; before evaluation they are recomputed on training
-    batches (``eval.bn_recompute_batches``) without the scaler, as at test time.
+    statistics are not trained or sent; before evaluation they are recomputed on
+    ``bn_recompute_batches`` training batches without the scaler, as at test time.
     """
-
-    name = "heterofl"
 
     def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
         return width_spec(spec, ["steps"])
@@ -62,15 +72,16 @@ class HeteroFL(Method):
     def _rate(self, tier: str) -> float:
         return math.sqrt(self.compiled[tier].tier.gamma_w)
 
-    def local_model(self, assignment, state):
+    def local_model(self, assignment, arrays):
         net = self.compiled[assignment.tier].build()
-        load_entries(net, state)
+        load_entries(net, arrays)
         return _ScaledLocal(net, self._rate(assignment.tier))
 
-    def eval_model(self, global_state, tier, bn_batches=None):
+    def eval_model(self, global_state, tier, data):
         net = self.compiled[tier].load(global_state)
-        if bn_batches is not None:
-            recompute_bn(net, bn_batches)
+        generator = torch.Generator().manual_seed(self.seed)
+        loader = DataLoader(data.train_eval, batch_size=self.train_config.batch_size, shuffle=True, generator=generator)
+        recompute_bn(net, itertools.islice(loader, self.settings.bn_recompute_batches))
         return net.eval()
 
 

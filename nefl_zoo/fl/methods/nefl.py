@@ -1,15 +1,159 @@
-"""NeFL: any spec (W, D, D_O, WD), per-tier step sizes and norms, dynamic submodel choice."""
+"""NeFL: any spec (W, D, D_O, WD), per-tier step sizes and norms, dynamic submodel choice, and
+NeFedAvg. The other nested methods are small subclasses that adjust one or two of its steps."""
 
 from __future__ import annotations
 
-from .base import Method
+import logging
+import random
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
+from ...spec import SubmodelSpec, TierSpec
+from ..aggregate import Update, nefedavg
+from ..client import evaluate, fit
+from ..local import LocalModel, SubmodelLocal, load_entries
+from ..strategy import Aggregate, ClientInfo, Instruction, Reply, State, Strategy, register_method
+
+log = logging.getLogger(__name__)
 
 
-class NeFL(Method):
-    """NeFL as in the paper: :class:`Method`'s defaults are NeFL's behaviour.
+@dataclass(frozen=True)
+class Assignment:
+    """What one client trains this round: its submodel and every tier whose tensors it updates."""
 
-    Learnable step sizes follow each tier's ``learnable_steps`` (false: the paper's N/L
-    ablation); ``inconsistent`` in the spec decides which tensors are kept per tier.
+    tier: str
+    tiers: tuple[str, ...]
+
+    def to_config(self) -> dict:
+        """As flat config entries (``tier``, ``tiers``)."""
+        return {"tier": self.tier, "tiers": list(self.tiers)}
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> "Assignment":
+        """Read back :meth:`to_config`'s entries (``KeyError`` if absent)."""
+        return cls(str(config["tier"]), tuple(str(t) for t in config["tiers"]))
+
+
+@register_method("nefl", label="NeFL")
+class NeFL(Strategy):
+    """NeFL as in the paper.
+
+    A client picks a random submodel among the resource levels its environment allows; it
+    receives that submodel's tensors (its slice map), trains it with cross-entropy and returns
+    it; :func:`~nefl_zoo.fl.aggregate.nefedavg` averages every element over the clients holding
+    it (consistent tensors: NeFedAvg; ``KEY@TIER`` tensors: FedAvg per tier). Learnable step
+    sizes follow each tier's ``learnable_steps``; ``inconsistent`` in the spec decides which
+    tensors are kept per tier.
+
+    Subclasses adjust :meth:`method_spec` (what is trained), :meth:`assign` (who trains what),
+    :meth:`entries` (which tensors travel), :meth:`local_model` (the client's loss) and
+    :meth:`eval_model` (what is evaluated).
     """
 
-    name = "nefl"
+    def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
+        super().__init__(spec, train, settings, **run)
+        levels = compile_spec(spec)
+        #: elements of each resource level (the run spec's tiers), in spec order
+        self.level_size = {name: ct.slice_map.numel() for name, ct in levels.tiers.items()}
+        method_spec = self.method_spec(spec)
+        self.compiled: CompiledSpec = levels if method_spec is spec else compile_spec(method_spec)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self.compiled.tiers)
+
+    @property
+    def global_spec(self) -> SubmodelSpec:
+        return self.compiled.spec
+
+    @property
+    def input_size(self) -> tuple[int, int, int]:
+        return self.compiled.input_size
+
+    @property
+    def num_classes(self) -> int:
+        return self.compiled.num_classes
+
+    def largest(self, levels: list[str]) -> str:
+        """The largest resource level among ``levels`` (by parameter count)."""
+        return max(levels, key=self.level_size.__getitem__)
+
+    # -- what each method adjusts ---------------------------------------------------------
+    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
+        """The spec this method trains (NeFL: the run's spec as written)."""
+        return spec
+
+    def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
+        """NeFL's dynamic environment: a random allowed submodel each round (None: sits out)."""
+        tier = rng.choice(levels)
+        return Assignment(tier, (tier,))
+
+    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
+        """The tensors a client with ``assignment`` receives and returns."""
+        return self.compiled[assignment.tier].slice_map
+
+    def local_model(self, assignment: Assignment, arrays: Mapping[str, torch.Tensor]) -> LocalModel:
+        """The client's trainable model, loaded from the received tensors."""
+        net = self.compiled[assignment.tier].build()
+        load_entries(net, arrays)
+        return SubmodelLocal(net)
+
+    def eval_model(self, global_state: Mapping[str, torch.Tensor], tier: str, data) -> nn.Module:
+        """The model evaluated for ``tier`` (``data``: the run's datasets)."""
+        return self.compiled[tier].load(global_state)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def init_global_state(self) -> State:
+        return self.compiled.init_global_state()
+
+    def configure_train(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        rng = random.Random(f"{self.seed}:assign:{server_round - 1}")
+        out = {}
+        for client in self.sample(server_round, clients):
+            assignment = self.assign(list(client.levels), rng)
+            if assignment is None:
+                continue
+            arrays = SliceMap(dict(self.entries(assignment))).extract(global_state)
+            out[client.cid] = Instruction(arrays, {**self.train_config_for(server_round, client.cid), **assignment.to_config()})
+        return out
+
+    def train(self, instruction: Instruction, data, client_state: State) -> Reply:
+        assignment = Assignment.from_config(instruction.config)
+        local = self.local_model(assignment, instruction.arrays)
+        result = fit(local, data, instruction.config)
+        return Reply(result.state, {"num_samples": result.num_samples, **result.metrics, **assignment.to_config()})
+
+    def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
+        updates, rejected = [], []
+        for cid, reply in replies.items():
+            reason = reply.error
+            if reason is None:
+                try:
+                    entries = self.entries(Assignment.from_config(reply.metrics))
+                    updates.append(Update(entries, reply.arrays, self.reply_weight(reply), cid))
+                except (KeyError, TypeError, ValueError) as exc:
+                    reason = f"reply metrics do not name a submodel of {self.name} ({exc})"
+            if reason is not None:
+                log.warning("client %s: reply rejected: %s", cid, reason)
+                rejected.append((cid, reason))
+        state, invalid = nefedavg(global_state, updates)
+        return Aggregate(state, len(updates) - len(invalid), rejected + invalid)
+
+    def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
+        return {
+            tier: evaluate(self.eval_model(global_state, tier, data), data.test, self.eval_batch_size)
+            for tier in self.tier_names
+        }
+
+    def submodel_numel(self, tier: str) -> int:
+        return sum(e.numel for e in self.entries(Assignment(tier, (tier,))).values())
+
+
+def single_tier_spec(spec: SubmodelSpec, tier: TierSpec) -> SubmodelSpec:
+    """``spec`` reduced to one of its tiers."""
+    return spec.model_copy(update={"tiers": [tier]})
+

@@ -1,0 +1,48 @@
+"""Client-side models: what a client trains (``loss``) and what it sends back (``state``)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LocalModel(nn.Module, abc.ABC):
+    """A client's trainable model: ``loss(x, y)`` for local training, ``state()`` to upload."""
+
+    @abc.abstractmethod
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, logits)`` of one batch."""
+
+    @abc.abstractmethod
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors to return to the server, keyed like the method's slice entries."""
+
+
+class SubmodelLocal(LocalModel):
+    """One slim submodel trained with cross-entropy (NeFL, FedAvg)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def loss(self, x, y):
+        logits = self(x)
+        return F.cross_entropy(logits, y), logits
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+
+def load_entries(module: nn.Module, state: Mapping[str, torch.Tensor], unused: Iterable[str] = ()) -> None:
+    """Load ``state`` into ``module``; only buffers and the ``unused`` keys may be missing."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = set(missing) - {k for k, _ in module.named_buffers()} - set(unused)
+    if unexpected or missing:
+        raise KeyError(f"state does not fit the module: missing {sorted(missing)[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,79 @@
+"""The shared sections of a training config: data, clients, local training, evaluation.
+
+A leaf module: methods (:mod:`.strategy`, :mod:`.methods`) read these sections and the run
+config (:mod:`.config`) assembles them, so neither imports the other. Settings that only one
+method reads are that method's own pydantic model (``method_args``), not fields here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Strict(BaseModel):
+    """A config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(Strict):
+    """Dataset, preprocessing and partition over clients."""
+
+    dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder"] = "digits"
+    root: str = Field("data", description="folder holding the dataset files (not used by digits)")
+    download: bool = Field(False, description="let torchvision download the dataset (needs a network)")
+    augment: bool = Field(True, description="NeFL-appendix augmentation (random crop, flip/jitter)")
+    partition: Literal["iid", "dirichlet", "shards"] = "iid"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
+    shards_per_client: int = Field(2, ge=1, description="label shards per client (partition: shards)")
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="digits only: held-out test share")
+    max_test_samples: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+
+
+class ClientsConfig(Strict):
+    """Client population and the environment that decides which submodels a client may train.
+
+    ``environment: dynamic`` is the paper's: as many equal client groups as submodels, group i
+    picking each round at random among submodels i-2..i+2 (with 5 submodels: tier 1 from
+    {1,2,3}, ..., tier 5 from {3,4,5}). ``fixed``: group i always trains submodel i.
+    ``groups`` (a list of lists of tier names) replaces both with explicit equal-size groups.
+    """
+
+    num_clients: int = Field(100, ge=1)
+    fraction: float = Field(0.1, gt=0, le=1, description="share of clients sampled per round")
+    environment: Literal["dynamic", "fixed"] = "dynamic"
+    groups: list[list[str]] | None = Field(None, description="explicit allowed tiers per client group")
+
+    @field_validator("groups")
+    @classmethod
+    def _non_empty(cls, v: list[list[str]] | None) -> list[list[str]] | None:
+        if v is not None and (not v or any(not g for g in v)):
+            raise ValueError("every group needs at least one tier name")
+        return v
+
+
+class TrainConfig(Strict):
+    """Local training of every client (the same for every method)."""
+
+    local_epochs: int = Field(5, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["step", "cosine", "constant"] = Field(
+        "step", description="step: x0.1 at T/2 and 3T/4 (the paper's); cosine: with warm-up"
+    )
+    warmup_rounds: int = Field(0, ge=0, description="linear warm-up rounds (schedule: cosine)")
+    grad_clip: float | None = Field(None, gt=0, description="max gradient norm, none = off")
+    weighting: Literal["clients", "samples"] = Field(
+        "clients", description="NeFedAvg weights: per client (the paper) or per sample"
+    )
+
+
+class EvalConfig(Strict):
+    """When and how the server evaluates."""
+
+    every: int = Field(5, ge=1, description="evaluate every N rounds (and after the last)")
+    batch_size: int = Field(256, ge=1)

@@ -1,0 +1,159 @@
+"""The strategy interface: hooks driven by hand (no engine), the registry, FedProx, and the
+per-client / server state the engine keeps and checkpoints."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nefl_zoo.fl import strategy as strategy_module
+from nefl_zoo.fl.engine import Engine
+from nefl_zoo.fl.methods import Assignment, NeFL
+from nefl_zoo.fl.strategy import ClientInfo, Reply, register_method
+from nefl_zoo.slim import tier_key
+
+from .test_fl_engine import tiny
+
+torch.set_num_threads(1)
+
+
+def filled(strategy, tier, value):
+    """A reply of ``tier`` whose every tensor is ``value`` (what a client of that tier returns)."""
+    entries = strategy.entries(Assignment(tier, (tier,)))
+    arrays = {k: torch.full(e.shape, value, dtype=strategy.compiled.full_dtypes[k]) for k, e in entries.items()}
+    return Reply(arrays, {"tier": tier, "tiers": [tier], "num_samples": 10, "loss": 1.0})
+
+
+def test_aggregate_train_on_hand_made_replies_rejects_failed_and_nan_and_still_produces_the_state():
+    # Prepare
+    strategy = tiny().build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    nan = filled(strategy, "g0.5", 5.0)
+    nan.arrays["layer1.0.conv1.weight"][0, 0, 0, 0] = float("nan")
+    replies = {
+        0: filled(strategy, "g0.25", 1.0),
+        1: Reply({}, {}, error="client ran out of memory"),
+        2: nan,
+        3: filled(strategy, "g1", 3.0),
+        4: Reply(filled(strategy, "g0.5", 7.0).arrays, {"num_samples": 10}),  # does not say its tier
+    }
+    # Execute
+    result = strategy.aggregate_train(1, state, replies)
+    # Assert
+    assert result.accepted == 2
+    assert [cid for cid, _ in sorted(result.rejected)] == [1, 2, 4]
+    assert "out of memory" in dict(result.rejected)[1] and "NaN" in dict(result.rejected)[2]
+    new = result.state
+    narrow = strategy.compiled["g0.25"].slice_map["layer1.0.conv1.weight"].shape
+    conv = new["layer1.0.conv1.weight"]
+    assert torch.equal(conv[: narrow[0], : narrow[1]], torch.full_like(conv[: narrow[0], : narrow[1]], 2.0))  # (1 + 3) / 2
+    assert bool((conv[narrow[0]:] == 3.0).all()) and bool((conv[:, narrow[1]:] == 3.0).all())  # only g1 holds these
+    assert bool((new[tier_key("bn1.weight", "g0.25")] == 1.0).all())  # FedAvg within tier g0.25
+    for key in state:  # the rejected g0.5 reply changed nothing of its own tier
+        if key.endswith("@g0.5"):
+            assert new[key] is state[key]
+
+
+def test_configure_train_sends_each_sampled_client_its_submodel():
+    strategy = tiny(clients__fraction=0.5).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    clients = [ClientInfo(c, ("g0.25", "g0.5", "g1")) for c in range(4)]
+    instructions = strategy.configure_train(3, state, clients)
+    assert len(instructions) == 2 and list(instructions) == sorted(instructions)
+    for cid, instruction in instructions.items():
+        tier = instruction.config["tier"]
+        expected = strategy.compiled[tier].extract(state)
+        assert instruction.arrays.keys() == expected.keys()
+        assert all(torch.equal(instruction.arrays[k], expected[k]) for k in expected)
+        assert instruction.config["round"] == 3 and instruction.config["client"] == cid
+        assert instruction.config["lr"] == 0.1 and instruction.config["local_epochs"] == 2
+    assert strategy.configure_train(3, state, clients).keys() == instructions.keys()  # seeded by round
+
+
+def test_registry_refuses_a_second_method_of_the_same_name():
+    with pytest.raises(ValueError, match="'nefl' is registered twice"):
+        register_method("nefl", label="again")(type("Again", (NeFL,), {}))
+
+
+def test_fedprox_adds_the_proximal_term_to_the_loss():
+    strategy = tiny(method="fedprox", method_args={"mu": 0.5}).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    local = strategy.local_model(Assignment("g0.25", ("g0.25",)), strategy.compiled["g0.25"].extract(state))
+    local.eval()
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    fc = local.base.net.fc.weight
+    with torch.no_grad():
+        assert float(local.loss(x, y)[0] - local.base.loss(x, y)[0]) == 0.0  # at the received weights
+        fc.add_(0.1)  # every classifier weight moves 0.1 from what the client received
+        loss, _ = local.loss(x, y)
+        base, _ = local.base.loss(x, y)
+    assert float(loss - base) == pytest.approx(0.5 / 2 * fc.numel() * 0.1**2, rel=1e-4)
+
+
+def test_fedprox_with_mu_zero_gives_nefl_tensors_exactly_and_mu_changes_the_update(tmp_path):
+    def final(method, **args):
+        out = tmp_path / f"{method}-{args}"
+        Engine(tiny(method=method, rounds=1, train__local_epochs=1, eval__every=1, method_args=args), out).run()
+        return load_file(str(out / "global.safetensors"))
+
+    nefl, prox0, prox = final("nefl"), final("fedprox", mu=0.0), final("fedprox", mu=1.0)
+    assert nefl.keys() == prox0.keys() == prox.keys()
+    assert all(torch.equal(nefl[k], prox0[k]) for k in nefl)
+    assert not torch.equal(nefl["layer1.0.conv1.weight"], prox["layer1.0.conv1.weight"])
+
+
+class Counting(NeFL):
+    """NeFL that counts, per client, the rounds it trained (client state) and, on the server,
+    the aggregations (server state)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aggregations = torch.zeros((), dtype=torch.int64)
+
+    def train(self, instruction, data, client_state):
+        client_state["rounds"] = client_state.get("rounds", torch.zeros((), dtype=torch.int64)) + 1
+        return super().train(instruction, data, client_state)
+
+    def aggregate_train(self, server_round, global_state, replies):
+        self.aggregations = self.aggregations + 1
+        return super().aggregate_train(server_round, global_state, replies)
+
+    def server_state(self):
+        return {"aggregations": self.aggregations}
+
+    def load_server_state(self, state):
+        self.aggregations = state["aggregations"]
+
+
+def test_client_and_server_state_survive_a_crash_and_resume(tmp_path, monkeypatch):
+    monkeypatch.setattr(strategy_module, "_METHODS", dict(strategy_module._METHODS))
+    register_method("counting", label="Counting")(Counting)
+    config = tiny(method="counting")  # 4 clients, all sampled every round, 4 rounds, checkpoint every 2
+
+    Engine(config, tmp_path / "straight").run()
+    original = Engine.run_round
+
+    def dies_in_round_3(self, round_index):
+        if round_index == 2:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self, round_index)
+
+    monkeypatch.setattr(Engine, "run_round", dies_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(config, tmp_path / "resumed").run()
+    monkeypatch.setattr(Engine, "run_round", original)
+    Engine(config, tmp_path / "resumed").run(resume=True)
+
+    for run in ("straight", "resumed"):
+        clients = load_file(str(tmp_path / run / "clients.safetensors"))
+        assert sorted(clients) == [f"{c}/rounds" for c in range(4)]
+        assert all(int(v) == 4 for v in clients.values())  # every client trained all 4 rounds
+        assert int(load_file(str(tmp_path / run / "server.safetensors"))["aggregations"]) == 4
+        assert json.loads((tmp_path / run / "checkpoint.json").read_text())["round"] == 4
+    a = load_file(str(tmp_path / "straight" / "global.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "global.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
