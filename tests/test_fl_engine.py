@@ -69,10 +69,8 @@ def test_frozen_step_sizes_stay_fixed(tmp_path):
     assert all(float(v) == 1.0 for k, v in state.items() if ".step@" in k)
 
 
-def test_resume_is_bit_identical(tmp_path, monkeypatch):
-    Engine(tiny(), tmp_path / "straight").run()
-
-    crashed = Engine(tiny(), tmp_path / "resumed")
+def crash_in_round_3(config, out, monkeypatch) -> None:
+    """Run ``config`` into ``out`` until a simulated crash at the start of round 3."""
     original = Engine.run_round
 
     def dies_in_round_3(self, round_index):
@@ -82,8 +80,13 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine, "run_round", dies_in_round_3)
     with pytest.raises(KeyboardInterrupt):
-        crashed.run()
+        Engine(config, out).run()
     monkeypatch.setattr(Engine, "run_round", original)
+
+
+def test_resume_is_bit_identical(tmp_path, monkeypatch):
+    Engine(tiny(), tmp_path / "straight").run()
+    crash_in_round_3(tiny(), tmp_path / "resumed", monkeypatch)
     assert json.loads((tmp_path / "resumed" / "checkpoint.json").read_text())["round"] == 2
 
     Engine(tiny(), tmp_path / "resumed").run(resume=True)

@@ -13,7 +13,7 @@ from nefl_zoo.fl.methods import Assignment, NeFL
 from nefl_zoo.fl.strategy import ClientInfo, Reply, register_method
 from nefl_zoo.slim import tier_key
 
-from .test_fl_engine import tiny
+from .test_fl_engine import crash_in_round_3, tiny
 
 torch.set_num_threads(1)
 
@@ -135,17 +135,7 @@ def test_client_and_server_state_survive_a_crash_and_resume(tmp_path, monkeypatc
     config = tiny(method="counting")  # 4 clients, all sampled every round, 4 rounds, checkpoint every 2
 
     Engine(config, tmp_path / "straight").run()
-    original = Engine.run_round
-
-    def dies_in_round_3(self, round_index):
-        if round_index == 2:
-            raise KeyboardInterrupt("simulated crash")
-        return original(self, round_index)
-
-    monkeypatch.setattr(Engine, "run_round", dies_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        Engine(config, tmp_path / "resumed").run()
-    monkeypatch.setattr(Engine, "run_round", original)
+    crash_in_round_3(config, tmp_path / "resumed", monkeypatch)
     Engine(config, tmp_path / "resumed").run(resume=True)
 
     for run in ("straight", "resumed"):
