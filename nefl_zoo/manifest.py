@@ -1,8 +1,8 @@
 """The ``manifest.json`` of an ONNX tier export: schema, reading and file hashing.
 
 Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
-(:mod:`nefl_zoo.runtime`); it imports only pydantic and the standard library, so the runtime
-stays importable without torch.
+(:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
+and the standard library, so the runtime stays importable without torch.
 
 Schema version 1 (every field required unless marked nullable)::
 
@@ -37,11 +37,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .userfiles import MISSING_KEY, FileError, format_validation_error, read_text
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(FileError):
     """A manifest or tier file that cannot be used, as one line naming the file and field."""
 
 
@@ -144,31 +146,23 @@ class Manifest(_Strict):
         raise KeyError(f"unknown tier {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
 
 
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
     """Validate loaded manifest data; :class:`ManifestError` names the first bad field."""
     if not isinstance(data, dict):
-        raise ManifestError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        raise ManifestError(source, "", f"expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
     if version is None:
-        raise ManifestError(f"{source}: schema_version: required key is missing")
+        raise ManifestError(source, "schema_version", MISSING_KEY)
     if version != SCHEMA_VERSION:
         raise ManifestError(
-            f"{source}: schema_version: unsupported version {version!r} "
-            f"(this nefl-zoo reads {SCHEMA_VERSION}; re-export or upgrade nefl-zoo)"
+            source,
+            "schema_version",
+            f"unsupported version {version!r} (this nefl-zoo reads {SCHEMA_VERSION}; re-export or upgrade nefl-zoo)",
         )
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        message = "required key is missing" if err["type"] == "missing" else err["msg"]
-        raise ManifestError(f"{source}: {_loc(err['loc'])}: {message}") from None
+        raise format_validation_error(source, exc, ManifestError) from None
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -176,14 +170,13 @@ def load_manifest(path: str | Path) -> Manifest:
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+    text = read_text(path, ManifestError, what="the manifest")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise ManifestError(str(path), "", f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except RecursionError:
+        raise ManifestError(str(path), "", "JSON nested too deeply to read") from None
     return parse_manifest(data, str(path))
 
 

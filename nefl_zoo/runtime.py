@@ -45,12 +45,14 @@ def create_session(
     caps onnxruntime's intra-op threads (default: one per physical core)."""
     path = Path(path)
     if not path.is_file():
-        raise ManifestError(f"{path}: tier file is missing (re-export the model)")
+        raise ManifestError(str(path), "", "tier file is missing (re-export the model)")
     actual = file_sha256(path)
     if actual != sha256:
         raise ManifestError(
-            f"{path}: sha256 {actual[:12]}... does not match the manifest's {sha256[:12]}... "
-            "(the file was modified or corrupted; re-export it)"
+            str(path),
+            "",
+            f"sha256 {actual[:12]}... does not match the manifest's {sha256[:12]}... "
+            "(the file was modified or corrupted; re-export it)",
         )
     options = ort.SessionOptions()
     if threads is not None:
@@ -59,7 +61,7 @@ def create_session(
         return ort.InferenceSession(str(path), options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own pybind exception types
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ManifestError(f"{path}: onnxruntime cannot load the model ({first_line})") from None
+        raise ManifestError(str(path), "", f"onnxruntime cannot load the model ({first_line})") from None
 
 
 class TierRuntime:

@@ -12,24 +12,17 @@ import functools
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+
+from . import userfiles
+from .userfiles import FileError, field_error
 
 Inconsistent = Literal["steps", "norm"]
+UNKNOWN_KEY = "unknown key (check the spelling; `nefl-zoo schema` lists the keys)"
 
 
-class SpecError(ValueError):
-    """A spec problem, printed as ``FILE: FIELD: what was expected``."""
-
-    def __init__(self, source: str, field: str, message: str):
-        self.source, self.field, self.message = source, field, message
-        where = f"{source}: {field}: " if field else f"{source}: "
-        super().__init__(where + message)
-
-
-def _field_error(field: str, message: str) -> PydanticCustomError:
-    return PydanticCustomError("spec", "{field}: {message}", {"field": field, "message": message})
+class SpecError(FileError):
+    """A spec problem, printed on one line as ``FILE: FIELD: what was expected``."""
 
 
 class TierSpec(BaseModel):
@@ -71,39 +64,40 @@ class SubmodelSpec(BaseModel):
         from .models import is_model, list_models
 
         if not is_model(self.model):
-            raise _field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
+            raise field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
         try:
             depths = stage_depths(self.model, tuple(sorted(self.model_args.items())))
-        except (TypeError, ValueError) as exc:
-            raise _field_error("model_args", str(exc)) from None
+        except Exception as exc:  # whatever the model's constructor makes of these arguments
+            message = str(exc) if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {exc}"
+            raise field_error("model_args", message or type(exc).__name__) from None
         seen: set[str] = set()
         for t, tier in enumerate(self.tiers):
             where = f"tiers[{t}]"
             if tier.name in seen:
-                raise _field_error(f"{where}.name", f"duplicate tier name {tier.name!r}")
+                raise field_error(f"{where}.name", f"duplicate tier name {tier.name!r}")
             seen.add(tier.name)
             if tier.steps is None:
                 continue
             if len(tier.steps) != len(depths):
-                raise _field_error(
+                raise field_error(
                     f"{where}.steps", f"{self.model} has {len(depths)} stages, got {len(tier.steps)}"
                 )
             for s, (stage, depth) in enumerate(zip(tier.steps, depths)):
                 if len(stage) != depth:
-                    raise _field_error(
+                    raise field_error(
                         f"{where}.steps[{s}]",
                         f"{self.model} stage {s + 1} has {depth} blocks, got {len(stage)}",
                     )
                 for b, value in enumerate(stage):
                     if value < 0:
-                        raise _field_error(f"{where}.steps[{s}][{b}]", f"step must be >= 0, got {value}")
+                        raise field_error(f"{where}.steps[{s}][{b}]", f"step must be >= 0, got {value}")
                     if value != 1 and value != 0 and "steps" not in self.inconsistent:
-                        raise _field_error(
+                        raise field_error(
                             f"{where}.steps[{s}][{b}]",
                             "shared step sizes start at 1 (use 0/1 or add 'steps' to inconsistent)",
                         )
             if not any(v for stage in tier.steps for v in stage):
-                raise _field_error(f"{where}.steps", "every block is skipped; keep at least one")
+                raise field_error(f"{where}.steps", "every block is skipped; keep at least one")
         return self
 
     def tier(self, name: str) -> TierSpec:
@@ -123,9 +117,25 @@ def _kept(tier: TierSpec) -> int:
     return sum(v != 0 for stage in tier.steps for v in stage) if tier.steps else 10**9
 
 
-@functools.lru_cache(maxsize=64)
 def stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
-    """Blocks per stage of a zoo model (built on the meta device, so it costs no memory)."""
+    """Blocks per stage of a zoo model (built on the meta device, so it costs no memory).
+
+    ``model_args`` is ``tuple(sorted(kwargs.items()))``; results are cached unless a value is
+    unhashable (a list, e.g. ``planes: [8, 16, 32, 64]``).
+    """
+    try:
+        hash(model_args)
+    except TypeError:
+        return _stage_depths(model, model_args)
+    return _cached_stage_depths(model, model_args)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
+    return _stage_depths(model, model_args)
+
+
+def _stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
     import torch
 
     from .models import create_model
@@ -134,25 +144,10 @@ def stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
         return create_model(model, **dict(model_args)).stage_depths
 
 
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def format_validation_error(source: str, exc: ValidationError) -> SpecError:
-    """The first error of a pydantic ``ValidationError`` as a one-line :class:`SpecError`."""
-    err = exc.errors()[0]
-    if err["type"] == "spec":
-        return SpecError(source, err["ctx"]["field"], err["ctx"]["message"])
-    field = _loc(err["loc"])
-    message = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        message = "unknown key (check the spelling; `nefl-zoo schema` lists the keys)"
-    elif err["type"] == "missing":
-        message = "required key is missing"
-    return SpecError(source, field, message)
+    """The first error of a pydantic ``ValidationError`` as a one-line :class:`SpecError`
+    (:func:`nefl_zoo.userfiles.format_validation_error` with the spec's unknown-key hint)."""
+    return userfiles.format_validation_error(source, exc, SpecError, unknown_key=UNKNOWN_KEY)
 
 
 def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
@@ -167,18 +162,7 @@ def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
 
 def load_spec(path: str | Path) -> SubmodelSpec:
     """Read a YAML spec file with ``yaml.safe_load`` and validate it."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(str(path), "", f"cannot read the file ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(str(path), "", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return parse_spec(data, str(path))
+    return parse_spec(userfiles.read_yaml(path, SpecError), str(path))
 
 
 def json_schema() -> dict:
@@ -187,10 +171,16 @@ def json_schema() -> dict:
 
 
 def shipped_specs_dir() -> Path:
-    """Folder of the specs shipped with nefl-zoo (``$NEFL_ZOO_SPECS`` overrides it)."""
-    import os
+    """Folder of the specs shipped with nefl-zoo (``$NEFL_ZOO_SPECS`` overrides it).
 
-    return Path(os.environ.get("NEFL_ZOO_SPECS", Path(__file__).resolve().parents[1] / "specs"))
+    The repository's top-level ``specs/`` is installed as the package-data package
+    ``nefl_zoo_specs`` (see pyproject.toml), so installed and editable copies both find it.
+    """
+    import os
+    from importlib.resources import files
+
+    override = os.environ.get("NEFL_ZOO_SPECS")
+    return Path(override) if override else Path(str(files("nefl_zoo_specs")))
 
 
 def resolve_spec_path(name_or_path: str | Path) -> Path:

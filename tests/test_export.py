@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from nefl_zoo import export as export_mod
+from nefl_zoo.export import verify
 from nefl_zoo.export import (
     ExportError,
     ExportSource,
@@ -215,7 +215,7 @@ def test_failed_export_keeps_the_previous_manifest_and_leaves_no_staging(resnet_
     compiled, state, out, manifest = resnet_run
     for path in out.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(export_mod, "ATOL", -1.0)  # no difference can pass
+    monkeypatch.setattr(verify, "ATOL", -1.0)  # no difference can pass
     source = ExportSource(compiled, trained_like_state(compiled), "test")
     with pytest.raises(ExportError, match=r"tier small: onnxruntime vs PyTorch max abs diff"):
         export_tiers(source, tmp_path, tiers=["small"], latency_runs=1)

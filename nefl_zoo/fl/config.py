@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ..spec import SpecError, SubmodelSpec, format_validation_error, load_spec, parse_spec
+from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec
+from ..userfiles import format_validation_error, parse_yaml, read_yaml
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
 from .strategy import Strategy, get_method, parse_settings, registered_methods
 
@@ -101,8 +101,8 @@ class RunConfig(Strict):
 def parse_value(text: str) -> Any:
     """A ``--set`` value: YAML scalar/list syntax (``3``, ``0.5``, ``true``, ``[a, b]``)."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return parse_yaml(text, "--set", ConfigError)
+    except ConfigError:
         return text
 
 
@@ -126,8 +126,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str) -> 
 
 
 def _format(source: str, exc: ValidationError) -> ConfigError:
-    err = format_validation_error(source, exc)
-    return ConfigError(source, err.field, err.message)
+    return format_validation_error(source, exc, ConfigError, unknown_key=UNKNOWN_KEY)
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
@@ -165,14 +164,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """Read a YAML training config, apply ``--set`` overrides and validate it."""
     path = Path(path)
     source = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(source, "", f"cannot read the file ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(source, "", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
     apply_overrides(data, overrides or [], source)

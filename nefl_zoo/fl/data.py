@@ -17,16 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from ..datasets import NORMALIZATION
 from .config import DataConfig
 
-# (mean, std) per dataset; SVHN's are the NeFL appendix's.
-NORMALIZATION = {
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "svhn": ((0.4376821, 0.4437697, 0.47280442), (0.19803012, 0.20101562, 0.19703614)),
-    "cinic10": ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
-    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-}
 EXPECTED_FILES = {
     "cifar10": "cifar-10-batches-py/data_batch_1..5 and test_batch",
     "cifar100": "cifar-100-python/train and test",

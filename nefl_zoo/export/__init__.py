@@ -1,0 +1,62 @@
+"""Export every tier of a nested model to ONNX, verified, with a ``manifest.json``.
+
+For every tier the slim module (with that tier's step sizes and norms) is taken from
+:meth:`CompiledTier.load` and put in eval mode. Its BatchNorms are folded into the preceding
+convolutions where that leaves the output unchanged, and its inner channels are optionally
+zero-padded to an aligned width (:func:`pad_channels`). ``torch.onnx.export`` (the
+torch.export path) then writes it as one self-contained ``.onnx`` file. onnxruntime's output
+is checked against the PyTorch module on a random batch and the latency is measured; the
+manifest (:mod:`nefl_zoo.manifest`) records what every tier costs.
+
+One job per module:
+
+    sources     what to export: a spec (random or --pretrained weights) or a training run
+                directory (spec.yaml, global.safetensors, metrics.jsonl, config.yaml)
+    surgery     rewrites that keep the output: fold_batchnorm, pad_channels
+    onnx_file   torch.onnx.export into one file, activation size, machine description
+    verify      one self-contained file, its sha256, parity with PyTorch (ATOL)
+    tiers       export_tiers: the above for every tier, then publishing files and manifest
+"""
+
+from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
+from .onnx_file import (
+    INPUT_NAME,
+    MIN_OPSET,
+    OUTPUT_NAME,
+    activation_bytes_per_sample,
+    machine_description,
+    tier_filename,
+    write_onnx,
+)
+from .sources import DATASETS, ExportSource, check_global_state, load_run_dir, load_source, read_accuracy, read_dataset
+from .surgery import fold_batchnorm, pad_channels
+from .tiers import export_tiers
+from .verify import ATOL, ExportError, check_parity, check_single_file, tolerance_for
+
+__all__ = [
+    "ATOL",
+    "CIFAR10_CLASSES",
+    "CLASS_NAMES",
+    "DATASETS",
+    "INPUT_NAME",
+    "MIN_OPSET",
+    "NORMALIZATION",
+    "OUTPUT_NAME",
+    "ExportError",
+    "ExportSource",
+    "activation_bytes_per_sample",
+    "check_global_state",
+    "check_parity",
+    "check_single_file",
+    "export_tiers",
+    "fold_batchnorm",
+    "load_run_dir",
+    "load_source",
+    "machine_description",
+    "pad_channels",
+    "read_accuracy",
+    "read_dataset",
+    "tier_filename",
+    "tolerance_for",
+    "write_onnx",
+]

@@ -1,0 +1,82 @@
+"""Writing one tier as an ONNX file, and what the file and the machine tell about it.
+
+:func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
+the one file; :func:`activation_bytes_per_sample` reads the largest working set from ONNX
+shape inference; :func:`machine_description` names where latencies are measured.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from ..manifest import Machine
+from ..runtime import CPU_PROVIDER
+
+MIN_OPSET = 18  # the torch.export-based exporter writes nothing older
+INPUT_NAME, OUTPUT_NAME = "input", "logits"
+
+
+def tier_filename(name: str) -> str:
+    """A file name for a tier: its name with anything but ``[A-Za-z0-9._-]`` replaced."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".onnx"
+
+
+def write_onnx(
+    module: nn.Module, path: Path, input_size: tuple[int, ...], example_batch: int, batch_dynamic: bool, opset: int | None
+) -> None:
+    """``torch.onnx.export`` through torch.export, weights inside the one file."""
+    example = torch.randn(example_batch, *input_size)
+    dynamic_shapes = ({0: torch.export.Dim("batch")},) if batch_dynamic else None
+    torch.onnx.export(
+        module,
+        (example,),
+        str(path),
+        input_names=[INPUT_NAME],
+        output_names=[OUTPUT_NAME],
+        opset_version=opset,
+        dynamo=True,
+        external_data=False,
+        dynamic_shapes=dynamic_shapes,
+        verbose=False,
+    )
+
+
+def activation_bytes_per_sample(model: onnx.ModelProto) -> int:
+    """Largest single-node working set (its activation inputs plus outputs, weights excluded)
+    for one sample, from ONNX shape inference (symbolic dimensions counted as 1)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    weights = {t.name for t in graph.initializer}
+    sizes: dict[str, int] = {}
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        tensor = info.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        numel = 1
+        for dim in tensor.shape.dim:
+            numel *= dim.dim_value if dim.HasField("dim_value") else 1
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize
+        sizes[info.name] = numel * itemsize
+    return max(
+        sum(sizes.get(name, 0) for name in [*node.input, *node.output] if name not in weights)
+        for node in graph.node
+    )
+
+
+def machine_description() -> Machine:
+    """The CPU, OS and onnxruntime version latencies are measured with."""
+    return Machine(
+        processor=platform.processor() or platform.machine(),
+        platform=platform.platform(),
+        cpu_count=os.cpu_count() or 1,
+        onnxruntime=ort.__version__,
+        provider=CPU_PROVIDER,
+    )

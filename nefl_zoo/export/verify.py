@@ -1,0 +1,71 @@
+"""Checks of an exported tier: one self-contained file, its hash, and parity with PyTorch.
+
+Outputs agree when their largest absolute difference is at most
+``ATOL * max(1, max |reference logit|)`` (:func:`tolerance_for`); the same bound decides
+whether a rewrite (:mod:`nefl_zoo.export.surgery`) may be used and whether onnxruntime's
+output matches the PyTorch module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from ..manifest import file_sha256
+from ..runtime import create_session
+from .onnx_file import INPUT_NAME
+
+ATOL = 1e-4
+
+
+class ExportError(RuntimeError):
+    """A tier whose export could not be verified."""
+
+
+def tolerance_for(reference: torch.Tensor) -> float:
+    """The largest difference from ``reference`` that still counts as the same output."""
+    return ATOL * max(1.0, float(reference.abs().max()))
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@torch.no_grad()
+def same_output(module: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether ``module(x)`` is within :func:`tolerance_for` of ``reference``."""
+    return max_abs_diff(module(x), reference) <= tolerance_for(reference)
+
+
+def check_single_file(name: str, model: onnx.ModelProto, opset: int | None) -> int:
+    """The opset ``model`` was written with; :class:`ExportError` when its weights live in
+    external files or it is not the ``opset`` asked for."""
+    if any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer):
+        raise ExportError(f"tier {name}: the exporter wrote external data; expected one file")
+    (written,) = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if opset is not None and written != opset:
+        raise ExportError(f"tier {name}: asked for opset {opset}, the exporter wrote {written}")
+    return written
+
+
+def hashed_session(path: Path, threads: int | None) -> tuple[str, ort.InferenceSession]:
+    """The file's sha256 and an onnxruntime session loaded after checking it."""
+    sha256 = file_sha256(path)
+    return sha256, create_session(path, sha256, threads=threads)
+
+
+def check_parity(name: str, session: ort.InferenceSession, x: torch.Tensor, reference: torch.Tensor) -> float:
+    """onnxruntime's largest difference from ``reference`` on input ``x``;
+    :class:`ExportError` when it exceeds :func:`tolerance_for`."""
+    diff = max_abs_diff(torch.from_numpy(session.run(None, {INPUT_NAME: x.numpy()})[0]), reference)
+    tolerance = tolerance_for(reference)
+    if not diff <= tolerance:
+        raise ExportError(
+            f"tier {name}: onnxruntime vs PyTorch max abs diff {diff:.3g} > {tolerance:.3g} "
+            f"(1e-4 x max(1, max |logit| = {float(reference.abs().max()):.3g}))"
+        )
+    return diff
