@@ -3,7 +3,6 @@ submodel, ``mu / 2 * ||w - w_received||^2``, which keeps local updates near the 
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from ..local import LocalModel
