@@ -82,5 +82,5 @@ def test_methods_lists_every_registered_method_with_its_settings():
     assert result.exit_code == 0, result.output
     cells = [line.split("│") for line in result.output.splitlines() if line.startswith("│")]
     rows = {c[1].strip(): "│".join(c) for c in cells if c[1].strip()}  # wrapped descriptions continue on rows without a name
-    assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox"]
+    assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox", "fedgh"]
     assert "mu: 0.01" in rows["fedprox"] and "kd: False" in rows["fjord"] and "bn_recompute_batches: 20" in rows["heterofl"]

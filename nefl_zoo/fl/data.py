@@ -44,9 +44,34 @@ class FederatedData:
     num_classes: int
     partitions: list[np.ndarray]
 
+    holdout: list[tuple[np.ndarray, np.ndarray]] | None = None  # per client (val, test) indices
+
     def client_dataset(self, client: int) -> Subset:
         """The training samples of one client."""
         return Subset(self.train, self.partitions[client].tolist())
+
+    def client_test(self, client: int) -> Subset:
+        """One client's own held-out test samples, without augmentation (``data.local_split``)."""
+        if self.holdout is None:
+            raise ValueError("this method evaluates on each client's own test split: set data.local_split, e.g. [0.8, 0.1, 0.1]")
+        return Subset(self.train_eval, self.holdout[client][1].tolist())
+
+
+def local_split(parts: list[np.ndarray], fractions: tuple[float, float, float], seed: int):
+    """Split every client's indices into train / val / test by ``fractions`` (seeded per client);
+    returns ``(train_parts, [(val, test), ...])``; every split keeps at least one sample for
+    train and test."""
+    train_parts, holdout = [], []
+    for client, part in enumerate(parts):
+        if len(part) < 2:
+            raise ValueError(f"client {client} has {len(part)} sample(s): too few to hold out a test split")
+        order = np.random.default_rng([seed, client]).permutation(part)
+        n_test = max(1, round(fractions[2] * len(part)))
+        n_val = min(round(fractions[1] * len(part)), len(part) - n_test - 1)
+        test, val, train = np.split(order, [n_test, n_test + n_val])
+        train_parts.append(np.sort(train))
+        holdout.append((np.sort(val), np.sort(test)))
+    return train_parts, holdout
 
 
 class TensorImages(Dataset):
@@ -216,4 +241,7 @@ def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num
     if cfg.max_test_samples is not None and cfg.max_test_samples < len(test):
         test = Subset(test, list(range(cfg.max_test_samples)))
     parts = partition(targets, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
-    return FederatedData(train, train_eval, test, targets, num_classes, parts)
+    holdout = None
+    if cfg.local_split is not None:
+        parts, holdout = local_split(parts, cfg.local_split, seed)
+    return FederatedData(train, train_eval, test, targets, num_classes, parts, holdout)

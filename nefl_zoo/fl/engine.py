@@ -132,8 +132,17 @@ class Engine:
         }
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy of every submodel (the method's :meth:`~Strategy.evaluate`)."""
-        return self.strategy.evaluate(self.round, self.state, self.data)
+        """Accuracy per submodel: the method's server-side :meth:`~Strategy.evaluate`, plus its
+        clients' evaluations on their own test splits where it configures any."""
+        acc = self.strategy.evaluate(self.round, self.state, self.data)
+        instructions = self.strategy.configure_evaluate(self.round, self.state, self.clients)
+        if instructions:
+            replies = {
+                cid: self.strategy.evaluate_client(instruction, self.data.client_test(cid), self.client_states.get(cid, {}))
+                for cid, instruction in instructions.items()
+            }
+            acc.update(self.strategy.aggregate_evaluate(self.round, replies))
+        return acc
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self) -> None:

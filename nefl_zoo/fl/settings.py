@@ -30,6 +30,17 @@ class DataConfig(Strict):
     shards_per_client: int = Field(2, ge=1, description="label shards per client (partition: shards)")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="digits only: held-out test share")
     max_test_samples: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
+    local_split: tuple[float, float, float] | None = Field(
+        None, description="split each client's data train/val/test, e.g. [0.8, 0.1, 0.1] (FedGH's "
+        "personalised evaluation on the client's own test split); none = all for training"
+    )
+
+    @field_validator("local_split")
+    @classmethod
+    def _fractions(cls, v: tuple[float, float, float] | None) -> tuple[float, float, float] | None:
+        if v is not None and (min(v) < 0 or v[0] <= 0 or v[2] <= 0 or abs(sum(v) - 1) > 1e-6):
+            raise ValueError("expected [train, val, test] fractions summing to 1, train and test > 0")
+        return v
 
 
 class ClientsConfig(Strict):

@@ -153,6 +153,15 @@ class Strategy(abc.ABC):
         """Server-side evaluation: accuracy per submodel name on ``data``
         (:class:`~nefl_zoo.fl.data.FederatedData`)."""
 
+    def configure_evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """Clients to evaluate on their own held-out data, and what each receives
+        (none by default: :meth:`evaluate` scores the global state on the server)."""
+        return {}
+
+    def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
+        """Accuracy per submodel name from the clients' evaluation replies."""
+        return {}
+
     @abc.abstractmethod
     def submodel_numel(self, tier: str) -> int:
         """Elements a client training ``tier`` receives (for summaries)."""
@@ -162,6 +171,11 @@ class Strategy(abc.ABC):
     def train(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
         """Train on the client's ``data``. ``client_state`` persists between this client's
         rounds (the engine keeps and checkpoints it); mutate it in place to keep tensors."""
+
+    def evaluate_client(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
+        """Evaluate on the client's own held-out ``data`` (for :meth:`configure_evaluate`);
+        ``client_state`` is read, not changed."""
+        raise NotImplementedError(f"{self.name} does not evaluate on clients")
 
     # -- persistent server state (e.g. a server optimizer) --------------------------------
     def server_state(self) -> State:

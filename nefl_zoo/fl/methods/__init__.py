@@ -7,5 +7,6 @@ from .fjord import FjORD  # isort: skip
 from .depthfl import DepthFL  # isort: skip
 from .fedavg import FedAvg, FedAvgFull, FedAvgMin  # isort: skip
 from .fedprox import FedProx  # isort: skip
+from .fedgh import FedGH  # isort: skip
 
-__all__ = ["Assignment", "DepthFL", "FedAvg", "FedAvgFull", "FedAvgMin", "FedProx", "FjORD", "HeteroFL", "NeFL"]
+__all__ = ["Assignment", "DepthFL", "FedAvg", "FedAvgFull", "FedAvgMin", "FedGH", "FedProx", "FjORD", "HeteroFL", "NeFL"]

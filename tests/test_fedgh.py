@@ -1,0 +1,106 @@
+"""FedGH: LARs, the server-side header update, reply checks, per-client held-out splits and a
+few rounds on digits with personalised extractors that survive a crash."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from nefl_zoo.fl.data import local_split
+from nefl_zoo.fl.engine import Engine
+from nefl_zoo.fl.methods.fedgh import local_averaged_representations
+from nefl_zoo.fl.strategy import Reply
+
+from .test_fl_engine import crash_in_round_3, tiny
+
+torch.set_num_threads(1)
+
+
+def fedgh(**overrides):
+    """Six clients, one fixed extractor type per pair, two label shards each, 8:1:1 local splits."""
+    args = dict(method="fedgh", clients__num_clients=6, clients__fraction=1.0, clients__environment="fixed",
+                data__partition="shards", data__local_split=[0.8, 0.1, 0.1], method_args={"rep_dim": 32},
+                train__lr=0.05)
+    return tiny(**(args | overrides))
+
+
+def test_lars_are_the_class_means_of_the_representations():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [10.0, 0.0], [5.0, 6.0], [0.0, 20.0]])
+    y = torch.tensor([1, 1, 4, 1, 4])
+    lar, classes = local_averaged_representations(nn.Identity(), TensorDataset(x, y), seed=0, batch_size=2)
+    assert classes.tolist() == [1, 4] and classes.dtype == torch.int64
+    assert torch.equal(lar, torch.tensor([[3.0, 4.0], [5.0, 10.0]]))
+
+
+def test_server_trains_the_global_header_with_its_own_sgd_one_step_per_lar():
+    strategy = fedgh(method_args={"rep_dim": 3, "server_lr": 0.5}).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    lar = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 3.0]])
+    classes = torch.tensor([2, 7])
+    reply = Reply({"lar": lar, "lar_classes": classes}, {"num_samples": 5, "tier": "g1", "tiers": ["g1"]})
+    result = strategy.aggregate_train(1, state, {0: reply})
+    # by hand: for linear logits z = Wx + b, dCE/dW = (softmax(z) - onehot(y)) x^T, dCE/db = softmax(z) - onehot(y)
+    w, b = state["header.weight"].clone(), state["header.bias"].clone()
+    for x, c in zip(lar, classes.tolist()):
+        err = torch.softmax(w @ x + b, 0)
+        err[c] -= 1
+        w, b = w - 0.5 * torch.outer(err, x), b - 0.5 * err
+    torch.testing.assert_close(result.state["header.weight"], w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.state["header.bias"], b, rtol=0, atol=1e-6)
+    before = nn.functional.cross_entropy(lar @ state["header.weight"].T + state["header.bias"], classes)
+    after = nn.functional.cross_entropy(lar @ result.state["header.weight"].T + result.state["header.bias"], classes)
+    assert float(after) < float(before) and result.accepted == 1
+
+
+def test_bad_replies_are_rejected_and_the_header_still_updates():
+    strategy = fedgh(method_args={"rep_dim": 3}).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    good = Reply({"lar": torch.ones(1, 3), "lar_classes": torch.tensor([1])}, {"tier": "g1"})
+    replies = {
+        0: good,
+        1: Reply({"lar": torch.full((1, 3), float("nan")), "lar_classes": torch.tensor([1])}, {}),
+        2: Reply({"lar": torch.ones(2, 4), "lar_classes": torch.tensor([1, 2])}, {}),
+        3: Reply({"lar": torch.ones(2, 3), "lar_classes": torch.tensor([1, 1])}, {}),
+        4: Reply({}, {}, error="crashed"),
+    }
+    result = strategy.aggregate_train(1, state, replies)
+    assert result.accepted == 1 and [cid for cid, _ in result.rejected] == [1, 2, 3, 4]
+    assert not torch.equal(result.state["header.weight"], state["header.weight"])
+
+
+def test_local_split_is_8_1_1_disjoint_and_seeded():
+    parts = [np.arange(0, 50), np.arange(50, 70)]
+    train, holdout = local_split(parts, (0.8, 0.1, 0.1), seed=3)
+    assert [len(t) for t in train] == [40, 16] and [(len(v), len(t)) for v, t in holdout] == [(5, 5), (2, 2)]
+    for part, tr, (val, test) in zip(parts, train, holdout):
+        together = np.concatenate([tr, val, test])
+        assert sorted(together.tolist()) == part.tolist()  # disjoint and complete
+    again, _ = local_split(parts, (0.8, 0.1, 0.1), seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(train, again))
+
+
+def test_fedgh_learns_personalised_models_and_resumes_bit_identically(tmp_path, monkeypatch):
+    result = Engine(fedgh(), tmp_path / "straight").run()
+    assert set(result.acc) == {"g0.25", "g0.5", "g1"}  # every extractor type is evaluated
+    assert all(acc > 0.5 for acc in result.acc.values()), result.acc  # chance is 0.1
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    extractor_bytes = 4 * sum(t.numel() for t in load_file(str(tmp_path / "straight" / "clients.safetensors")).values()) / 6
+    assert all(r["bytes_up_per_client"] < extractor_bytes / 100 for r in records)  # only LARs go up
+    assert set(load_file(str(tmp_path / "straight" / "global.safetensors"))) == {"header.weight", "header.bias"}
+
+    crash_in_round_3(fedgh(), tmp_path / "resumed", monkeypatch)
+    Engine(fedgh(), tmp_path / "resumed").run(resume=True)
+    for name in ("global.safetensors", "clients.safetensors"):
+        a, b = (load_file(str(tmp_path / run / name)) for run in ("straight", "resumed"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_client_test_needs_a_local_split(tmp_path):
+    with pytest.raises(ValueError, match="set data.local_split"):
+        Engine(fedgh(data__local_split=None), tmp_path).run()
