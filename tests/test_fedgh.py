@@ -104,3 +104,21 @@ def test_fedgh_learns_personalised_models_and_resumes_bit_identically(tmp_path, 
 def test_client_test_needs_a_local_split(tmp_path):
     with pytest.raises(ValueError, match="set data.local_split"):
         Engine(fedgh(data__local_split=None), tmp_path).run()
+
+
+def test_per_client_evaluation_scores_each_clients_deployed_submodel_on_its_own_test_split(tmp_path):
+    config = fedgh(method="nefl", rounds=1, method_args={}, eval__per_client=True)
+    engine = Engine(config, tmp_path)
+    result = engine.run()
+    state = load_file(str(tmp_path / "global.safetensors"))
+    expected: dict[str, list[float]] = {}
+    for client in engine.clients:  # environment fixed: client groups of 2 hold g0.25, g0.5, g1
+        tier = client.levels[-1]
+        model = engine.strategy.compiled[tier].load(state).eval()
+        test = engine.data.client_test(client.cid)
+        with torch.no_grad():
+            correct = sum(int((model(x[None]).argmax(1) == y).sum()) for x, y in test)
+        expected.setdefault(tier, []).append(correct / len(test))
+    assert result.acc.keys() == expected.keys()
+    for tier, accs in expected.items():
+        assert result.acc[tier] == pytest.approx(sum(accs) / len(accs), abs=1e-12)

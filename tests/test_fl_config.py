@@ -22,7 +22,7 @@ def test_shipped_configs_load(name):
         assert config.data.partition == ("dirichlet" if "noniid" in name else "iid")
     if name == "digits-fedgh":  # the FedGH paper's setting: 2 label shards, 8:1:1 local splits
         assert (config.data.partition, config.data.shards_per_client, config.data.local_split) == ("shards", 2, (0.8, 0.1, 0.1))
-        assert config.build_strategy().settings.rep_dim == 500
+        assert config.build_strategy().settings.rep_dim == 500 and config.eval.per_client
 
 
 def test_overrides_are_typed_and_nested():

@@ -83,6 +83,7 @@ class RunConfig(Strict):
         return cls(
             self.submodel_spec(), self.train, parse_settings(self.method, self.method_args),
             seed=self.seed, rounds=self.rounds, fraction=self.clients.fraction, eval_batch_size=self.eval.batch_size,
+            eval_per_client=self.eval.per_client,
         )
 
     def data_root(self) -> Path:

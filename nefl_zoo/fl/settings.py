@@ -88,3 +88,7 @@ class EvalConfig(Strict):
 
     every: int = Field(5, ge=1, description="evaluate every N rounds (and after the last)")
     batch_size: int = Field(256, ge=1)
+    per_client: bool = Field(
+        False, description="score each client's model on the client's own test split (data.local_split) "
+        "and report the mean per submodel, instead of the global test set"
+    )

@@ -85,7 +85,8 @@ class Strategy(abc.ABC):
         seed: the run seed (client sampling, per-client seeds, initial weights).
         rounds: total rounds (learning-rate schedule).
         fraction: share of clients sampled per round.
-        eval_batch_size: batch size of server-side evaluation.
+        eval_batch_size: batch size of evaluation.
+        eval_per_client: evaluate on the clients' own test splits instead of the server's test set.
 
     Subclasses implement the hooks; ``server_round`` is 1-based, as in Flower.
     """
@@ -104,11 +105,13 @@ class Strategy(abc.ABC):
         rounds: int = 1,
         fraction: float = 1.0,
         eval_batch_size: int = 256,
+        eval_per_client: bool = False,
     ):
         self.run_spec = spec
         self.train_config = train
         self.settings = settings if settings is not None else self.Settings()
-        self.seed, self.rounds, self.fraction, self.eval_batch_size = seed, rounds, fraction, eval_batch_size
+        self.seed, self.rounds, self.fraction = seed, rounds, fraction
+        self.eval_batch_size, self.eval_per_client = eval_batch_size, eval_per_client
 
     # -- what the engine needs to know -------------------------------------------------------
     @property

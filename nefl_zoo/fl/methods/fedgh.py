@@ -30,6 +30,7 @@ from ..local import LocalModel
 from ..strategy import (
     Aggregate, ClientInfo, Instruction, MethodSettings, Reply, State, Strategy, register_method,
 )
+from .nefl import mean_accuracy_per_tier
 
 HEADER = ("header.weight", "header.bias")
 
@@ -177,10 +178,7 @@ class FedGH(Strategy):
         return {c.cid: self._instruction(server_round, global_state, c) for c in clients}
 
     def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
-        by_tier: dict[str, list[float]] = {}
-        for reply in replies.values():
-            by_tier.setdefault(str(reply.metrics["tier"]), []).append(float(reply.metrics["accuracy"]))
-        return {t: float(np.mean(by_tier[t])) for t in self.tier_names if t in by_tier}
+        return mean_accuracy_per_tier(replies, self.tier_names)
 
     # -- client hooks ---------------------------------------------------------------------
     def train(self, instruction: Instruction, data, client_state: State) -> Reply:

@@ -144,10 +144,33 @@ class NeFL(Strategy):
         return Aggregate(state, len(updates) - len(invalid), rejected + invalid)
 
     def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
+        if self.eval_per_client:
+            return {}
         return {
             tier: evaluate(self.eval_model(global_state, tier, data), data.test, self.eval_batch_size)
             for tier in self.tier_names
         }
+
+    def configure_evaluate(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """With ``eval.per_client``: every client receives the submodel of its largest allowed
+        resource level (the one it would deploy), to score it on its own test split."""
+        if not self.eval_per_client:
+            return {}
+        out = {}
+        for client in clients:
+            assignment = self.assign([self.largest(list(client.levels))], random.Random(0))
+            if assignment is not None:
+                arrays = SliceMap(dict(self.entries(assignment))).extract(global_state)
+                out[client.cid] = Instruction(arrays, {"client": client.cid, **assignment.to_config()})
+        return out
+
+    def evaluate_client(self, instruction: Instruction, data, client_state: State) -> Reply:
+        assignment = Assignment.from_config(instruction.config)
+        accuracy = evaluate(self.local_model(assignment, instruction.arrays), data, self.eval_batch_size)
+        return Reply({}, {"accuracy": accuracy, "num_samples": len(data), "tier": assignment.tier})
+
+    def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
+        return mean_accuracy_per_tier(replies, self.tier_names)
 
     def submodel_numel(self, tier: str) -> int:
         return sum(e.numel for e in self.entries(Assignment(tier, (tier,))).values())
@@ -157,3 +180,10 @@ def single_tier_spec(spec: SubmodelSpec, tier: TierSpec) -> SubmodelSpec:
     """``spec`` reduced to one of its tiers."""
     return spec.model_copy(update={"tiers": [tier]})
 
+
+def mean_accuracy_per_tier(replies: Mapping[int, Reply], order: list[str]) -> dict[str, float]:
+    """The mean of the replies' ``accuracy`` over the clients of each ``tier``, in ``order``."""
+    by_tier: dict[str, list[float]] = {}
+    for reply in replies.values():
+        by_tier.setdefault(str(reply.metrics["tier"]), []).append(float(reply.metrics["accuracy"]))
+    return {t: sum(by_tier[t]) / len(by_tier[t]) for t in order if t in by_tier}
