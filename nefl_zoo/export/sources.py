@@ -9,6 +9,10 @@ A run directory holds::
                          gives each tier's test accuracy
     config.yaml          optional; data.dataset names the dataset (its normalisation and
                          class names go into the manifest)
+
+A run written by ``nefl-zoo train`` also holds ``checkpoint.json``, its commit point: then the
+global state, the accuracy and the dataset come from the committed checkpoint it names (every
+hash verified; see nefl_zoo.fl.store), and spec.yaml must be the one trained.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from ..datasets import NORMALIZATION
 from ..slim import CompiledSpec, compile_spec
-from ..spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
+from ..spec import SpecError, SubmodelSpec, load_spec, parse_spec, resolve_spec_path
 from ..userfiles import read_yaml
 
 DATASETS = tuple(NORMALIZATION)  # datasets whose input normalisation is known (training's)
@@ -57,9 +61,49 @@ def load_source(source: str | Path, pretrained: str | None = None, seed: int = 0
 
 
 def load_run_dir(path: Path) -> ExportSource:
-    """Spec, global state, per-tier accuracy and dataset of a training run directory."""
+    """Spec, global state, per-tier accuracy and dataset of a training run directory.
+
+    A run written by ``nefl-zoo train`` is read through its commit point (``checkpoint.json``):
+    the committed global state, metrics records and configuration, every file's sha256
+    verified, and ``spec.yaml`` checked against the hash recorded with the checkpoint. A
+    directory without ``checkpoint.json`` is read as the plain layout of the module docstring.
+    The run's lock is held (shared) while reading: a directory that a ``train`` is writing is
+    refused with a one-line error naming its PID.
+    """
+    from ..fl.store import CHECKPOINT_JSON, RunStore
+
+    store = RunStore(path, [])
+    store.open(shared=True)
+    try:
+        if (path / CHECKPOINT_JSON).exists():
+            return _committed_run(path, store)
+        return _plain_run_dir(path)
+    finally:
+        store.close()
+
+
+def _committed_run(path: Path, store) -> ExportSource:
+    from ..fl.store import CHECKPOINT_JSON
+    from ..userfiles import parse_yaml
+
+    checkpoint = store.read_checkpoint()
+    spec_path = path / "spec.yaml"
+    compiled = compile_spec(parse_spec(parse_yaml(store.read_spec_text(), str(spec_path), SpecError), str(spec_path)))
+    check_global_state(compiled, checkpoint.state, str(path / "global.safetensors"))
+    data = checkpoint.config.get("data")
+    dataset = data.get("dataset") if isinstance(data, dict) else None
+    return ExportSource(
+        compiled,
+        checkpoint.state,
+        str(path),
+        accuracy=last_accuracy(checkpoint.records, compiled.spec, str(path / CHECKPOINT_JSON)),
+        dataset=dataset if isinstance(dataset, str) else None,
+    )
+
+
+def _plain_run_dir(path: Path) -> ExportSource:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     spec_path, state_path = path / "spec.yaml", path / "global.safetensors"
     for required in (spec_path, state_path):
@@ -67,7 +111,7 @@ def load_run_dir(path: Path) -> ExportSource:
             raise FileNotFoundError(f"{required}: missing (a run directory holds spec.yaml and global.safetensors)")
     compiled = compile_spec(load_spec(spec_path))
     try:
-        state = load_file(str(state_path))
+        state = load(state_path.read_bytes())
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{state_path}: not a readable safetensors file ({exc})") from None
     check_global_state(compiled, state, str(state_path))
@@ -95,17 +139,29 @@ def check_global_state(compiled: CompiledSpec, state: Mapping[str, torch.Tensor]
 
 
 def read_accuracy(path: Path, spec: SubmodelSpec) -> dict[str, float]:
-    """Per-tier accuracy from the last ``metrics.jsonl`` line with an ``acc`` object ({} if none)."""
+    """Per-tier accuracy from the last ``metrics.jsonl`` line with an ``acc`` object ({} if none).
+    A torn last line (no line break, not valid JSON: a write cut short) is ignored."""
     if not path.is_file():
         return {}
-    last: dict = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    text = path.read_text()
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # torn by a crash mid-write
             raise ValueError(f"{path}: line {number}: not valid JSON ({exc.msg})") from None
+    return last_accuracy(records, spec, str(path))
+
+
+def last_accuracy(records: list, spec: SubmodelSpec, source: str) -> dict[str, float]:
+    """Per-tier accuracy from the last record with an ``acc`` object ({} if none)."""
+    last: dict = {}
+    for record in records:
         if isinstance(record, dict) and isinstance(record.get("acc"), dict):
             last = record["acc"]
     names = {t.name for t in spec.tiers}
@@ -113,7 +169,7 @@ def read_accuracy(path: Path, spec: SubmodelSpec) -> dict[str, float]:
     for tier, value in last.items():
         if tier in names:
             if not isinstance(value, (int, float)):
-                raise ValueError(f"{path}: acc.{tier}: expected a number, got {value!r}")
+                raise ValueError(f"{source}: acc.{tier}: expected a number, got {value!r}")
             out[tier] = float(value)
     return out
 

@@ -22,7 +22,7 @@ from .client import learning_rate
 from .config import RunConfig, parse_config
 from .data import FederatedData, load_data
 from .store import Checkpoint, RunExistsError, RunStore, saved_config
-from .strategy import ClientInfo, Reply, Strategy
+from .strategy import ClientInfo, Instruction, Reply, Strategy
 
 __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_groups", "resume_config", "train"]
 
@@ -102,11 +102,8 @@ class Engine:
         """Configure, train and aggregate round ``round_index`` (0-based); return its record."""
         server_round = round_index + 1
         start = time.perf_counter()
-        instructions = self.strategy.configure_train(server_round, self.state, self.clients)
-        replies: dict[int, Reply] = {}
-        for cid, instruction in instructions.items():
-            client_state = self.client_states.setdefault(cid, {})
-            replies[cid] = self.strategy.train(instruction, self.data.client_dataset(cid), client_state)
+        instructions = self.strategy.configure_train(server_round, self.state, self.available_clients())
+        replies = self.exchange("train", instructions)
         result = self.strategy.aggregate_train(server_round, self.state, replies)
         self.state = result.state
         down = sum(_nbytes(i.arrays) for i in instructions.values())
@@ -128,6 +125,11 @@ class Engine:
             "bytes_down_per_client": down // max(1, len(replies)),
             "bytes_up_per_client": up // max(1, len(replies)),
             "cum_bytes": self.totals["bytes_down"] + self.totals["bytes_up"],
+            "per_client": {
+                str(cid): {"tier": str(i.config["tier"]), "bytes_down": _nbytes(i.arrays),
+                           "bytes_up": _nbytes(replies[cid].arrays) if cid in replies else 0}
+                for cid, i in instructions.items()
+            },
             "time_s": round(time.perf_counter() - start, 4),
         }
 
@@ -135,14 +137,27 @@ class Engine:
         """Accuracy per submodel: the method's server-side :meth:`~Strategy.evaluate`, plus its
         clients' evaluations on their own test splits where it configures any."""
         acc = self.strategy.evaluate(self.round, self.state, self.data)
-        instructions = self.strategy.configure_evaluate(self.round, self.state, self.clients)
+        instructions = self.strategy.configure_evaluate(self.round, self.state, self.available_clients())
         if instructions:
-            replies = {
-                cid: self.strategy.evaluate_client(instruction, self.data.client_test(cid), self.client_states.get(cid, {}))
-                for cid, instruction in instructions.items()
-            }
-            acc.update(self.strategy.aggregate_evaluate(self.round, replies))
+            acc.update(self.strategy.aggregate_evaluate(self.round, self.exchange("evaluate", instructions)))
         return acc
+
+    # -- the transport: what another engine (Flower) replaces ---------------------------------
+    def available_clients(self) -> list[ClientInfo]:
+        """The clients that can be reached now (in process: every configured client)."""
+        return self.clients
+
+    def exchange(self, kind: str, instructions: dict[int, Instruction]) -> dict[int, Reply]:
+        """Deliver each client its instruction and collect the replies, in instruction order:
+        ``kind`` ``"train"`` runs :meth:`~Strategy.train` (with the client's persistent state),
+        ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split."""
+        replies: dict[int, Reply] = {}
+        for cid, instruction in instructions.items():
+            if kind == "train":
+                replies[cid] = self.strategy.train(instruction, self.data.client_dataset(cid), self.client_states.setdefault(cid, {}))
+            else:
+                replies[cid] = self.strategy.evaluate_client(instruction, self.data.client_test(cid), self.client_states.get(cid, {}))
+        return replies
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -152,17 +167,27 @@ class Engine:
         self.store.save(checkpoint, self.config.to_dict())
 
     def _restore(self) -> None:
-        checkpoint = self.store.load()
+        template = self.strategy.init_global_state()  # the keys, shapes and dtypes a checkpoint must have
+        checkpoint = self.store.read_checkpoint(template, self.config.rounds)  # verified; changes nothing
+        self.strategy.load_server_state(checkpoint.server_state)
+        self.store.resume(checkpoint)  # metrics files replaced and RNG states restored, every check passed
         self.round, self.state, self.totals, self.last_eval = checkpoint.round, checkpoint.state, checkpoint.totals, checkpoint.last_eval
         self.client_states = checkpoint.client_states
-        self.strategy.load_server_state(checkpoint.server_state)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, resume: bool = False, overwrite: bool = False, observer: RunObserver | None = None) -> RunResult:
         """Train ``config.rounds`` rounds (continuing from the checkpoint when ``resume``).
 
-        A fresh run refuses a directory that already holds one unless ``overwrite``.
+        A fresh run refuses a directory that already holds one unless ``overwrite``. The run
+        directory's lock is held until the run ends (another process gets a one-line error).
         """
+        self.store.open(create=not resume, overwrite=overwrite)
+        try:
+            return self._run(resume, overwrite, observer)
+        finally:
+            self.store.close()
+
+    def _run(self, resume: bool, overwrite: bool, observer: RunObserver | None) -> RunResult:
         cfg = self.config
         if resume:
             self._restore()
