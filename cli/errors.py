@@ -1,37 +1,100 @@
-"""One-line errors with exit code 2 for bad input."""
+"""One-line errors with exit code 2 for bad input.
+
+Every command is registered through :func:`guarded`, so that nothing but a one-line
+``error: ...`` (exit 2), a command's documented exit 1, or click's own usage errors reaches
+the user: whatever escapes a command body (a ``ValueError`` naming a file and field, an
+``OSError``, ``MemoryError``, an unexpected exception) is printed as one line. Set
+``NEFL_ZOO_TRACEBACK=1`` to see the traceback of an unexpected one instead.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+import os
+from typing import Callable, Iterator, TypeVar
 
+import click
 import typer
 
 USAGE_ERROR = 2
+TRACEBACK_ENV = "NEFL_ZOO_TRACEBACK"
+F = TypeVar("F", bound=Callable)
 
 
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` on stderr and return the exit to raise (code 2)."""
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {_one_line(message)}", err=True)
     return typer.Exit(USAGE_ERROR)
+
+
+def _one_line(text: str) -> str:
+    from nefl_zoo.userfiles import one_line
+
+    lines = str(text).strip().splitlines()
+    return one_line(lines[0]) if lines else ""
 
 
 def require_positive(**options: int | float | None) -> None:
     """Exit with a one-line error for the first option below 1 (``None`` means unset)."""
     for name, value in options.items():
-        if value is not None and value < 1:
+        if value is not None and not value >= 1:
             raise fail(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+
+
+def require_budget(**options: float | None) -> None:
+    """Exit with a one-line error for the first option that is not a finite number >= 0."""
+    import math
+
+    for name, value in options.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise fail(f"--{name.replace('_', '-')}: must be a finite number >= 0, got {value:g}")
+
+
+def describe(exc: BaseException) -> str:
+    """One line saying what went wrong, for an exception that escaped a command."""
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "allocate" in str(exc)):
+        detail = _one_line(str(exc))
+        return "not enough memory" + (f" ({detail})" if detail else "") + "; use a smaller --batch or model"
+    if isinstance(exc, RecursionError):
+        return "input nested too deeply to process"
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or _one_line(str(exc)) or type(exc).__name__}"
+    if isinstance(exc, KeyError) and exc.args:
+        return _one_line(str(exc.args[0]))
+    message = _one_line(str(exc))
+    if isinstance(exc, ValueError):
+        return message or type(exc).__name__
+    return f"{type(exc).__name__}: {message} (unexpected; {TRACEBACK_ENV}=1 shows the traceback)"
+
+
+def guarded(command: F) -> F:
+    """``command`` with every exception but click's own (exits, aborts, usage errors) turned
+    into a one-line ``error:`` and exit code 2."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as exc:  # noqa: BLE001 (the point: nothing else reaches the user)
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            raise fail(describe(exc)) from None
+
+    return run  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
 def user_errors(*types: type[BaseException]) -> Iterator[None]:
-    """Turn the given exception types (and ``ValueError``/``KeyError``/``FileNotFoundError``)
+    """Turn the given exception types (and ``ValueError``/``KeyError``/``OSError``)
     into a one-line error and exit code 2."""
     try:
         yield
-    except (ValueError, KeyError, FileNotFoundError, *types) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        raise fail(str(message).splitlines()[0] if message else type(exc).__name__) from None
+    except (ValueError, KeyError, OSError, *types) as exc:
+        raise fail(describe(exc)) from None
 
 
-__all__ = ["fail", "require_positive", "user_errors", "USAGE_ERROR"]
+__all__ = ["fail", "guarded", "require_budget", "require_positive", "user_errors", "USAGE_ERROR"]

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from .console import console
-from .errors import fail, require_positive, user_errors
+from .errors import fail, guarded, require_budget, require_positive, user_errors
 
 NO_FIT = 1  # exit code of `select` when no tier meets the budget
 
@@ -37,6 +37,8 @@ def export(
     from nefl_zoo.spec import SpecError
 
     require_positive(batch=batch, latency_runs=latency_runs, threads=threads, pad_channels=pad_channels)
+    if out.exists() and not out.is_dir():
+        raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
     if dataset is not None and dataset not in DATASETS:
         raise fail(f"--dataset: unknown {dataset!r}; one of {', '.join(DATASETS)}")
     names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
@@ -75,6 +77,8 @@ def select(
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import NoTierFits, TierRuntime
 
+    require_budget(latency_ms=latency_ms, max_macs=max_macs, max_params=max_params, max_memory_mb=max_memory_mb)
+    require_positive(batch=batch)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest)
         try:
@@ -89,23 +93,36 @@ def select(
 
 
 def _load_image(path: Path, shape: list[int]):
-    """An image as a float32 (C, H, W) array in [0, 1]; ``ValueError`` on a wrong size or mode."""
+    """An image as a float32 (C, H, W) array in [0, 1]; ``ValueError`` on a wrong size or mode.
+
+    The size and mode come from the file's header and are checked before any pixel is
+    decoded, so a decompression bomb (a small file declaring a huge image) is refused unread.
+    """
+    import warnings
+
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
     channels, height, width = shape
     mode = {1: "L", 3: "RGB"}.get(channels)
-    try:
-        image = Image.open(path)
-        image.load()
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable image ({exc.__class__.__name__})") from None
-    if image.size != (width, height) or image.mode != mode:
-        raise ValueError(
-            f"{path}: image is {image.size[0]}x{image.size[1]} {image.mode}; the model takes "
-            f"{width}x{height} {mode or f'{channels}-channel'} (resize/convert it first)"
-        )
-    array = np.asarray(image, dtype=np.float32) / 255.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:  # reads the header only
+                size, found = image.size, image.mode
+                if size != (width, height) or found != mode:
+                    raise ValueError(
+                        f"{path}: image is {size[0]}x{size[1]} {found}; the model takes "
+                        f"{width}x{height} {mode or f'{channels}-channel'} (resize/convert it first)"
+                    )
+                image.load()
+                array = np.asarray(image, dtype=np.float32) / 255.0
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise ValueError(
+                f"{path}: image declares more pixels than PIL decodes safely; the model takes {width}x{height}"
+            ) from None
+        except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+            raise ValueError(f"{path}: not a readable image ({exc.__class__.__name__})") from None
     return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
 
@@ -172,6 +189,7 @@ def bench_tiers(
     require_positive(batch=batch, runs=runs, threads=threads)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest, threads=threads)
+        runtime.check_memory(batch)  # every tier, before measuring any
         latencies = {t.name: runtime.benchmark(t.name, batch, runs) for t in runtime.manifest.tiers}
     largest = max(runtime.manifest.tiers, key=lambda t: t.macs)
     table = Table(
@@ -193,5 +211,5 @@ def bench_tiers(
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
     for command in (export, select, predict):
-        app.command()(command)
-    app.command("bench-tiers")(bench_tiers)
+        app.command()(guarded(command))
+    app.command("bench-tiers")(guarded(bench_tiers))

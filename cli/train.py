@@ -9,7 +9,7 @@ import contextlib
 
 import typer
 
-from .errors import fail, require_positive, user_errors
+from .errors import fail, guarded, require_positive, user_errors
 from .progress import RichProgress
 
 
@@ -31,10 +31,14 @@ def train(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary table"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in the run directory"),
+    engine_name: str = typer.Option("embedded", "--engine", help="embedded (in process) or flower (Flower's simulation engine; needs the flower extra)"),
 ) -> None:
     """Train one method on one configuration; write metrics, checkpoints and the global state."""
     if config is None and resume is None:
         raise fail("give a CONFIG file or --resume RUN_DIR")
+    if engine_name not in ("embedded", "flower"):
+        raise fail(f"--engine: expected embedded or flower, got {engine_name!r}")
+    flower = _flower() if engine_name == "flower" else None
     require_positive(threads=threads)
     _setup(threads)
     from nefl_zoo.fl.config import ConfigError, apply_overrides, load_config, parse_config
@@ -49,9 +53,21 @@ def train(
         else:
             cfg = load_config(config, set_)
             run_dir = out or Path("runs") / f"{cfg.name}-{cfg.method}-s{cfg.seed}"
-        engine = Engine(cfg, run_dir)
+        _check_folder("--resume" if resume is not None else "--out", run_dir)
         with RichProgress() if not quiet else contextlib.nullcontext() as progress:
-            engine.run(resume=resume is not None, overwrite=overwrite, observer=progress)
+            if flower is not None:
+                flower.simulate(cfg, run_dir, resume=resume is not None, overwrite=overwrite, observer=progress, threads=threads)
+            else:
+                Engine(cfg, run_dir).run(resume=resume is not None, overwrite=overwrite, observer=progress)
+
+
+def _flower():
+    """``nefl_zoo.fl.flower``, or a one-line error naming the extra to install."""
+    try:
+        from nefl_zoo.fl import flower
+    except ImportError as exc:
+        raise fail(f"--engine flower needs Flower: pip install 'nefl-zoo[flower]' ({exc})") from None
+    return flower
 
 
 def compare(
@@ -67,7 +83,7 @@ def compare(
     require_positive(seeds=seeds, threads=threads)
     _setup(threads)
     from nefl_zoo.fl.compare import compare_methods
-    from nefl_zoo.fl.config import ConfigError, load_config
+    from nefl_zoo.fl.config import MAX_SEED, ConfigError, load_config
     from nefl_zoo.fl.strategy import registered_methods
     from nefl_zoo.spec import SpecError
 
@@ -78,9 +94,22 @@ def compare(
         raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
     with user_errors(ConfigError, SpecError):
         cfg = load_config(config, set_)
-    result = compare_methods(cfg, names, seeds, out or Path("runs") / f"compare-{cfg.name}", None if quiet else RichProgress)
+        if cfg.seed + seeds - 1 > MAX_SEED:
+            raise fail(f"--seeds: seeds {cfg.seed}..{cfg.seed + seeds - 1} go past {MAX_SEED}; lower seed or --seeds")
+        folder = out or Path("runs") / f"compare-{cfg.name}"
+        _check_folder("--out", folder)
+        result = compare_methods(cfg, names, seeds, folder, None if quiet else RichProgress)
     typer.echo(result.markdown)
     typer.echo(f"wrote {result.results_md} and {result.plot}")
+
+
+def _check_folder(option: str, path: Path) -> None:
+    """Exit with a one-line error when ``path`` (or a folder above it) exists as a file."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise fail(f"{option}: {folder} is a file, not a folder")
+            return
 
 
 def methods() -> None:
@@ -101,6 +130,6 @@ def methods() -> None:
 
 def register(app: typer.Typer) -> None:
     """Add ``train``, ``compare`` and ``methods`` to the ``nefl-zoo`` app."""
-    app.command("train")(train)
-    app.command("compare")(compare)
-    app.command("methods")(methods)
+    app.command("train")(guarded(train))
+    app.command("compare")(guarded(compare))
+    app.command("methods")(guarded(methods))

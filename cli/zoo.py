@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from .console import console
-from .errors import fail, require_positive, user_errors
+from .errors import fail, guarded, require_positive, user_errors
 
 
 class Format(str, Enum):
@@ -88,6 +88,10 @@ def build(
     """Build a physically slimmed submodel and say what it is."""
     from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
 
+    if not 0 < gamma <= 1:
+        raise fail(f"--gamma: must be in (0, 1], got {gamma:g}")
+    if out is not None:
+        _check_out(out)
     note = ""
     with user_errors(SpecError):
         if spec is not None:
@@ -107,14 +111,17 @@ def build(
 
             if not is_model(model):
                 raise fail(f"model: unknown model {model!r}; one of {', '.join(list_models())}")
-            found = auto_tier(model, gamma, mode.value)
+            try:
+                found = auto_tier(model, gamma, mode.value)
+            except ValueError as exc:
+                raise fail(f"--gamma: {str(exc).removeprefix('gamma ')}") from None
             note = found.note
             chosen = found.tier
             sub = SubmodelSpec(model=model, tiers=[chosen])
         report, slim = _build_report(sub, chosen.name, pretrained)
-    if out is not None:
-        _write_submodel(out, slim, sub, chosen.name)
-        report["out"] = str(out)
+        if out is not None:
+            _write_submodel(out, slim, sub, chosen.name)
+            report["out"] = str(out)
     if as_json:
         typer.echo(json.dumps(report | ({"note": note} if note else {})))
         return
@@ -153,6 +160,30 @@ def _build_report(spec, tier: str, pretrained: str | None) -> tuple[dict, "objec
     return report, slim
 
 
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+def _check_out(out: Path) -> None:
+    """Exit with a one-line error, before any work, unless ``out`` can take the weights and
+    the one-tier spec beside it (``OUT`` with ``.yaml``): a ``.safetensors`` file name, neither
+    it nor the spec an existing folder, its parent a folder or not yet there."""
+    spec = out.with_suffix(".yaml")
+    if out.is_dir():
+        raise fail(f"--out: {out} is a folder; give a weights file name such as {out / ('model' + WEIGHTS_SUFFIX)}")
+    if out.suffix.lower() != WEIGHTS_SUFFIX:
+        raise fail(
+            f"--out: {out}: expected a {WEIGHTS_SUFFIX} file name for the weights "
+            f"(the tier spec is written beside it as {out.stem}.yaml)"
+        )
+    if spec.is_dir():
+        raise fail(f"--out: {spec} (the tier spec written beside the weights) is a folder")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise fail(f"--out: {parent} is a file, not a folder")
+            break
+
+
 def _write_submodel(out: Path, slim, spec, tier: str) -> None:
     """Weights as safetensors and a one-tier spec as YAML, each written atomically."""
     import yaml
@@ -183,11 +214,11 @@ def profile(
     require_positive(batch=batch)
     with user_errors(SpecError):
         sub = load_spec(resolve_spec_path(spec))
-    compiled = compile_spec(sub)
-    if by_module:
-        _print_by_module(compiled, fmt)
-        return
-    profiles = prof.profile_tiers(compiled, latency_batch=batch if latency else None)
+        compiled = compile_spec(sub)
+        if by_module:
+            _print_by_module(compiled, fmt)
+            return
+        profiles = prof.profile_tiers(compiled, latency_batch=batch if latency else None)
     if fmt is Format.markdown:
         typer.echo(prof.to_markdown(profiles))
     elif fmt is Format.csv:
@@ -238,4 +269,4 @@ def _print_by_module(compiled, fmt: Format) -> None:
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
     for command in (models, specs, schema, build, profile):
-        app.command()(command)
+        app.command()(guarded(command))

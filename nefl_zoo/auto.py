@@ -15,6 +15,7 @@ from .spec import TierSpec
 
 Mode = Literal["balanced", "width", "depth"]
 TOLERANCE = 0.01  # relative
+MIN_BALANCED_GAMMA = 0.005**2  # below it, balanced mode's width ratio round(sqrt(gamma), 2) is 0
 
 
 @dataclass
@@ -89,6 +90,11 @@ def auto_tier(model: str, gamma: float, mode: Mode = "balanced", name: str | Non
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     if mode not in ("balanced", "width", "depth"):
         raise ValueError(f"mode must be balanced, width or depth, got {mode!r}")
+    if mode == "balanced" and round(math.sqrt(gamma), 2) == 0:
+        raise ValueError(
+            f"gamma {gamma:g} is too small for balanced mode (its width ratio sqrt(gamma) rounds to 0): "
+            f"give a gamma of at least {MIN_BALANCED_GAMMA:g}, or use width or depth mode"
+        )
     full = count_params(_meta_model(model, model_args))
     name = name or f"g{gamma:g}"
     if gamma == 1:

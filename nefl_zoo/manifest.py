@@ -4,7 +4,7 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 1 (every field required unless marked nullable)::
+Schema version 1 (every field required unless marked nullable; every number finite)::
 
     schema_version   1
     model            zoo model name; model_args: its create_model kwargs
@@ -26,18 +26,22 @@ Schema version 1 (every field required unless marked nullable)::
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
                      cpu_count, onnxruntime, provider}}
+
+A manifest is also checked for consistency when it is read: ``class_names`` has
+``output.num_classes`` names, ``normalization`` one mean and one positive std per input
+channel, ``model_args`` (where it names them) agree with ``input.shape`` and
+``output.num_classes``, and tier names are unique.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .userfiles import MISSING_KEY, FileError, format_validation_error, read_text
+from .userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -48,33 +52,53 @@ class ManifestError(FileError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[float, Field(ge=0)]
 
 
 class Normalization(_Strict):
     """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1]."""
 
-    mean: list[float]
-    std: list[float]
+    mean: list[float] = Field(min_length=1)
+    std: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="per channel, > 0")
+
+    @model_validator(mode="after")
+    def _one_per_channel(self) -> "Normalization":
+        if len(self.mean) != len(self.std):
+            raise field_error("std", f"{len(self.std)} values for {len(self.mean)} means; give one per channel")
+        return self
 
 
 class InputSpec(_Strict):
     """The model input: one batch of images."""
 
-    name: str
-    shape: list[int] = Field(description="[C, H, W]")
+    name: str = Field(min_length=1)
+    shape: list[Positive] = Field(min_length=3, max_length=3, description="[C, H, W]")
     dtype: Literal["float32"] = "float32"
     layout: Literal["NCHW"] = "NCHW"
-    batch: int | None = Field(description="null: dynamic batch dimension; else the fixed batch size")
+    batch: Positive | None = Field(description="null: dynamic batch dimension; else the fixed batch size")
     normalization: Normalization | None
     dataset: str | None
+
+    @model_validator(mode="after")
+    def _normalization_per_channel(self) -> "InputSpec":
+        norm = self.normalization
+        if norm is not None and len(norm.mean) != self.shape[0]:
+            raise field_error(
+                "normalization.mean", f"{len(norm.mean)} values for {self.shape[0]} input channels (shape[0])"
+            )
+        return self
 
 
 class OutputSpec(_Strict):
     """The model output: logits of shape [batch, num_classes]."""
 
-    name: str
-    num_classes: int
+    name: str = Field(min_length=1)
+    num_classes: Positive
 
 
 class Machine(_Strict):
@@ -82,7 +106,7 @@ class Machine(_Strict):
 
     processor: str
     platform: str
-    cpu_count: int
+    cpu_count: Positive
     onnxruntime: str
     provider: str
 
@@ -90,32 +114,32 @@ class Machine(_Strict):
 class Latency(_Strict):
     """Median wall time of one ``session.run`` on a batch of ``batch`` inputs."""
 
-    median_ms: float
-    batch: int
-    runs: int
-    threads: int | None = Field(description="onnxruntime intra-op threads; null: its default")
+    median_ms: NonNegative
+    batch: Positive
+    runs: Positive
+    threads: Positive | None = Field(description="onnxruntime intra-op threads; null: its default")
     machine: Machine
 
 
 class TierEntry(_Strict):
     """One exported tier: its file, what it costs and how it was checked."""
 
-    name: str
+    name: str = Field(min_length=1)
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    params: int
-    params_ratio: float
-    macs: int
-    macs_ratio: float
-    gamma: float | None
-    gamma_w: float
-    blocks_per_stage: list[int]
-    accuracy: float | None
+    params: Count
+    params_ratio: NonNegative
+    macs: Count
+    macs_ratio: NonNegative
+    gamma: Annotated[float, Field(gt=0, le=1)] | None
+    gamma_w: float = Field(gt=0, le=1)
+    blocks_per_stage: list[Count]
+    accuracy: Annotated[float, Field(ge=0, le=1)] | None
     batchnorm_folded: bool
-    channel_align: int = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
-    max_abs_diff: float
-    weights_mb: float
-    activation_mb_per_sample: float
+    channel_align: Positive = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
+    max_abs_diff: NonNegative
+    weights_mb: NonNegative
+    activation_mb_per_sample: NonNegative
     latency: Latency
 
     def memory_mb(self, batch: int = 1) -> float:
@@ -137,6 +161,28 @@ class Manifest(_Strict):
     output: OutputSpec
     class_names: list[str] | None
     tiers: list[TierEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        classes = self.output.num_classes
+        if self.class_names is not None and len(self.class_names) != classes:
+            raise field_error("class_names", f"{len(self.class_names)} names for {classes} classes (output.num_classes)")
+        channels, height, width = self.input.shape
+        declared = {"num_classes": ("output.num_classes", classes), "in_chans": ("input.shape[0]", channels)}
+        if height == width:
+            declared["img_size"] = ("input.shape[1:]", height)
+        for key, (field, value) in declared.items():
+            given = self.model_args.get(key)
+            if isinstance(given, int) and not isinstance(given, bool) and given != value:
+                raise field_error(field, f"{value} contradicts model_args.{key} = {given}")
+        if "img_size" in self.model_args and height != width:
+            raise field_error("input.shape", f"{height}x{width} is not square, but model_args.img_size is one size")
+        seen: set[str] = set()
+        for t, entry in enumerate(self.tiers):
+            if entry.name in seen:
+                raise field_error(f"tiers[{t}].name", f"duplicate tier name {entry.name!r}")
+            seen.add(entry.name)
+        return self
 
     def tier(self, name: str) -> TierEntry:
         """The tier called ``name``; ``KeyError`` naming the known tiers otherwise."""
@@ -170,14 +216,7 @@ def load_manifest(path: str | Path) -> Manifest:
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    text = read_text(path, ManifestError, what="the manifest")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(str(path), "", f"not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    except RecursionError:
-        raise ManifestError(str(path), "", "JSON nested too deeply to read") from None
-    return parse_manifest(data, str(path))
+    return parse_manifest(read_json(path, ManifestError, what="the manifest"), str(path))
 
 
 def file_sha256(path: str | Path) -> str:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from .memory import WORKING_SET_FACTOR, check_batch_memory
 from .models import count_params
 from .slim import CompiledSpec, CompiledTier
 from .timing import median_ms
@@ -73,6 +75,35 @@ def macs_by_module(model: nn.Module, input_size: tuple[int, ...], depth: int = 2
     return {k: int(v) for k, v in counts.items() if (k.count(".") + 1 if k else 0) <= depth}
 
 
+def peak_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
+    """Largest working set of one module (its input plus output tensors) on one input of shape
+    ``input_size``: a lower bound of the memory a forward pass needs per sample."""
+    peak = 0
+
+    def hook(module, inputs, output) -> None:
+        nonlocal peak
+        tensors = [t for t in (*inputs, *(output if isinstance(output, (tuple, list)) else (output,)))
+                   if isinstance(t, torch.Tensor)]
+        peak = max(peak, sum(t.numel() * t.element_size() for t in tensors))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, *input_size))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return max(peak, 4 * math.prod(input_size))
+
+
+def check_batch_fits(model: nn.Module, input_size: tuple[int, ...], batch: int) -> None:
+    """``ValueError`` before any allocation when ``batch`` inputs cannot fit in memory
+    (:func:`nefl_zoo.memory.check_batch_memory`, :data:`~nefl_zoo.memory.WORKING_SET_FACTOR`
+    times :func:`peak_activation_bytes` per input)."""
+    per_sample = WORKING_SET_FACTOR * peak_activation_bytes(model, input_size)
+    check_batch_memory(batch, per_sample, what=f"{per_sample / 2**20:,.2f} MiB per input")
+
+
 def measure_latency_ms(model: nn.Module, input_size: tuple[int, ...], batch: int, runs: int = 7) -> float:
     """Median CPU wall time of a forward pass of ``batch`` inputs, in milliseconds."""
     model.eval()
@@ -89,8 +120,11 @@ def blocks_per_stage(ct: CompiledTier, depths: tuple[int, ...]) -> list[int]:
 
 
 def profile_tiers(compiled: CompiledSpec, latency_batch: int | None = None) -> list[TierProfile]:
-    """Parameters, MACs (and, with ``latency_batch``, median latency) of every tier."""
+    """Parameters, MACs (and, with ``latency_batch``, median latency) of every tier; a
+    ``latency_batch`` that cannot fit in memory is a ``ValueError`` before any work."""
     full = compiled.create_global_model()
+    if latency_batch:
+        check_batch_fits(full, compiled.input_size, latency_batch)
     full_params, full_macs = count_params(full), count_macs(full, compiled.input_size)
     full_latency = measure_latency_ms(full, compiled.input_size, latency_batch) if latency_batch else None
     depths = full.stage_depths

@@ -7,11 +7,20 @@ Depends only on numpy, onnxruntime, pydantic and the standard library (never tor
     logits = rt.run(images)                 # runs the selected tier ("auto")
     logits = rt.run(images, tier="g1.0")    # or any tier by name; sessions stay cached
 
-Every tier file is checked against the manifest's sha256 before onnxruntime loads it.
+Every tier file is read once into memory (:func:`read_tier`): its path must stay inside the
+manifest's folder (no ``..``, no symlink out of it), its bytes are checked against the
+manifest's sha256, and those same bytes, never the path again, are handed to onnxruntime
+(:func:`session_from_bytes`), so a file swapped after the check is never run. A session's
+input and output shapes are checked against the manifest's ``input.shape`` and
+``output.num_classes`` when it is created.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,10 +28,12 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, TierEntry, file_sha256, load_manifest
+from .memory import WORKING_SET_FACTOR, check_batch_memory
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, TierEntry, load_manifest
 from .timing import median_ms
 
 CPU_PROVIDER = "CPUExecutionProvider"
+MAX_TIER_BYTES = 2**31  # protobuf's limit: a self-contained .onnx file is never larger
 
 
 class NoTierFits(ValueError):
@@ -38,15 +49,35 @@ class Selection:
     fitting: tuple[str, ...]
 
 
-def create_session(
-    path: str | Path, sha256: str, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None
-) -> ort.InferenceSession:
-    """An onnxruntime session for ``path`` after checking the file's sha256; ``threads``
-    caps onnxruntime's intra-op threads (default: one per physical core)."""
+def read_tier(path: str | Path, sha256: str, root: str | Path | None = None) -> bytes:
+    """The bytes of a tier file, read once and checked against ``sha256``.
+
+    With ``root`` (the manifest's folder), the path, resolved through every symlink, must lie
+    inside it. Raises :class:`ManifestError` naming the file when it is missing, outside
+    ``root``, not a regular file, too large or does not match the hash.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise ManifestError(str(path), "", "tier file is missing (re-export the model)")
-    actual = file_sha256(path)
+    if root is not None:
+        resolved, folder = path.resolve(), Path(root).resolve()
+        if not resolved.is_relative_to(folder):
+            raise ManifestError(
+                str(path), "", f"resolves to {resolved}, outside the manifest's folder {folder} (refused; re-export)"
+            )
+        path = resolved  # opened below without following a symlink swapped in since
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise ManifestError(str(path), "", "tier file is missing (re-export the model)") from None
+    except OSError as exc:
+        raise ManifestError(str(path), "", f"cannot read the tier file ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ManifestError(str(path), "", "not a regular file")
+        data = f.read(MAX_TIER_BYTES + 1)
+    if len(data) > MAX_TIER_BYTES:
+        raise ManifestError(str(path), "", "larger than 2 GiB, which no self-contained .onnx file is")
+    actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
         raise ManifestError(
             str(path),
@@ -54,14 +85,35 @@ def create_session(
             f"sha256 {actual[:12]}... does not match the manifest's {sha256[:12]}... "
             "(the file was modified or corrupted; re-export it)",
         )
+    return data
+
+
+def session_from_bytes(
+    model: bytes, source: str, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None
+) -> ort.InferenceSession:
+    """An onnxruntime session for the serialized ``model`` (already verified bytes);
+    ``source`` names it in a :class:`ManifestError` when onnxruntime cannot load it."""
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
     try:
-        return ort.InferenceSession(str(path), options, providers=list(providers))
+        return ort.InferenceSession(model, options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own pybind exception types
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ManifestError(str(path), "", f"onnxruntime cannot load the model ({first_line})") from None
+        raise ManifestError(source, "", f"onnxruntime cannot load the model ({first_line})") from None
+
+
+def create_session(
+    path: str | Path,
+    sha256: str,
+    providers: tuple[str, ...] = (CPU_PROVIDER,),
+    threads: int | None = None,
+    root: str | Path | None = None,
+) -> ort.InferenceSession:
+    """An onnxruntime session for the tier file ``path``: read once (:func:`read_tier`, inside
+    ``root`` when given), checked against ``sha256``, and those bytes loaded; ``threads``
+    caps onnxruntime's intra-op threads (default: one per physical core)."""
+    return session_from_bytes(read_tier(path, sha256, root), str(path), providers, threads)
 
 
 class TierRuntime:
@@ -79,7 +131,7 @@ class TierRuntime:
         path = Path(manifest_path)
         self.manifest_path = path / MANIFEST_NAME if path.is_dir() else path
         self.manifest: Manifest = load_manifest(self.manifest_path)
-        self.root = self.manifest_path.parent
+        self.root = self.manifest_path.parent  # tier files must resolve inside it
         self.providers = tuple(providers)
         self.threads = threads
         self._sessions: dict[str, ort.InferenceSession] = {}
@@ -89,10 +141,33 @@ class TierRuntime:
         """The (cached) session of ``tier``; the file's sha256 is checked on first use."""
         if tier not in self._sessions:
             entry = self.manifest.tier(tier)
-            self._sessions[tier] = create_session(
-                self.root / entry.file, entry.sha256, self.providers, self.threads
-            )
+            path = self.root / entry.file
+            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
+            self._check_io(session, str(path))
+            self._sessions[tier] = session
         return self._sessions[tier]
+
+    def _check_io(self, session: ort.InferenceSession, source: str) -> None:
+        """:class:`ManifestError` unless the model takes the manifest's input (name, shape,
+        batch) and gives ``output.num_classes`` logits."""
+        spec, where = self.manifest.input, str(self.manifest_path)
+        inputs, outputs = session.get_inputs(), session.get_outputs()
+        if len(inputs) != 1 or inputs[0].name != spec.name:
+            names = ", ".join(i.name for i in inputs)
+            raise ManifestError(where, "input.name", f"{spec.name!r}, but {Path(source).name} takes {names or 'nothing'}")
+        shape = list(inputs[0].shape)
+        expected = [spec.batch, *spec.shape]
+        fixed = [d if isinstance(d, int) else None for d in shape]
+        if len(shape) != 4 or any(f is not None and f != e for f, e in zip(fixed[1:], expected[1:])):
+            raise ManifestError(where, "input.shape", f"{spec.shape}, but {Path(source).name} takes {shape}")
+        if fixed[0] is not None and fixed[0] != spec.batch:
+            raise ManifestError(where, "input.batch", f"{spec.batch}, but {Path(source).name} takes a batch of {fixed[0]}")
+        out_shape = list(outputs[0].shape) if outputs else []
+        classes = out_shape[-1] if out_shape else None
+        if isinstance(classes, int) and classes != self.manifest.output.num_classes:
+            raise ManifestError(
+                where, "output.num_classes", f"{self.manifest.output.num_classes}, but {Path(source).name} gives {classes} logits"
+            )
 
     def select(
         self,
@@ -107,8 +182,15 @@ class TierRuntime:
 
         ``latency_ms`` is compared with the latency measured at export time (at the batch the
         manifest records); ``max_memory_mb`` with :meth:`TierEntry.memory_mb` at ``batch``.
-        Raises :class:`NoTierFits` when no tier meets the budget.
+        Raises :class:`NoTierFits` when no tier meets the budget, ``ValueError`` for a budget
+        that is negative or not a finite number, or a batch below 1.
         """
+        budgets = {"latency_ms": latency_ms, "max_macs": max_macs, "max_params": max_params, "max_memory_mb": max_memory_mb}
+        for name, value in budgets.items():
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: must be an integer >= 1, got {batch}")
         checks: list[tuple[str, Callable[[TierEntry], float], float]] = []
         if latency_ms is not None:
             checks.append((f"latency <= {latency_ms:g} ms", lambda t: t.latency.median_ms, latency_ms))
@@ -165,12 +247,27 @@ class TierRuntime:
         session = self.session(self.resolve(tier))
         return session.run(None, {self.manifest.input.name: self.check_batch(batch)})[0]
 
+    def check_memory(self, batch: int, tiers: list[str] | None = None) -> None:
+        """``ValueError`` when running ``batch`` inputs through any of ``tiers`` (default: all)
+        cannot fit in the memory available: the weights, plus per sample the input and
+        :data:`~nefl_zoo.memory.WORKING_SET_FACTOR` times the largest activation working set."""
+        input_bytes = 4 * math.prod(self.manifest.input.shape)
+        for name in tiers or [t.name for t in self.manifest.tiers]:
+            entry = self.manifest.tier(self.resolve(name))
+            per_sample = WORKING_SET_FACTOR * entry.activation_mb_per_sample * 2**20 + input_bytes
+            check_batch_memory(
+                batch, per_sample, entry.weights_mb * 2**20,
+                what=f"tier {entry.name}: {per_sample / 2**20:,.2f} MiB per input",
+            )
+
     def benchmark(self, tier: str, batch: int, runs: int = 10, warmup: int = 2) -> float:
-        """Median latency (ms) of ``tier`` on a random batch, measured now on this machine."""
-        session = self.session(self.resolve(tier))
+        """Median latency (ms) of ``tier`` on a random batch, measured now on this machine;
+        ``ValueError`` for a batch the export does not take or that cannot fit in memory."""
         fixed = self.manifest.input.batch
         if fixed is not None and batch != fixed:
             raise ValueError(f"this export has a fixed batch of {fixed}, got --batch {batch}")
+        self.check_memory(batch, [tier])
+        session = self.session(self.resolve(tier))
         x = np.random.default_rng(0).standard_normal((batch, *self.manifest.input.shape), dtype=np.float32)
         feed = {self.manifest.input.name: x}
         return median_ms(lambda: session.run(None, feed), runs, warmup)

@@ -19,6 +19,8 @@ from .userfiles import FileError, field_error
 
 Inconsistent = Literal["steps", "norm"]
 UNKNOWN_KEY = "unknown key (check the spelling; `nefl-zoo schema` lists the keys)"
+MAX_PARAMS = 4_000_000_000  # 16 GB of float32 weights: ten times the zoo's largest model at any size
+PER_TIER_ARGS = ("gamma_w", "steps")  # set on each tier, never in model_args
 
 
 class SpecError(FileError):
@@ -28,7 +30,7 @@ class SpecError(FileError):
 class TierSpec(BaseModel):
     """One submodel: its width ratio and its per-block step sizes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(min_length=1, description="unique tier name, e.g. g0.2")
     gamma_w: float = Field(1.0, description="width parameter ratio in (0, 1]")
@@ -49,7 +51,7 @@ class TierSpec(BaseModel):
 class SubmodelSpec(BaseModel):
     """A zoo model and the tiers (submodels) nested in it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(description="registered zoo model, see `nefl-zoo models`")
     model_args: dict[str, Any] = Field(default_factory=dict, description="create_model kwargs")
@@ -61,15 +63,26 @@ class SubmodelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_against_model(self) -> "SubmodelSpec":
-        from .models import is_model, list_models
+        from .models import ModelArgsError, check_model_args, is_model, list_models
 
         if not is_model(self.model):
             raise field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
+        for key in PER_TIER_ARGS:
+            if key in self.model_args:
+                raise field_error(f"model_args.{key}", f"set per tier (tiers[].{key}), not in model_args")
+        try:  # the model's declared constraints, before anything is built
+            check_model_args(self.model, self.model_args)
+        except ModelArgsError as exc:
+            raise field_error(f"model_args.{exc.field}" if exc.field else "model_args", exc.message) from None
         try:
-            depths = stage_depths(self.model, tuple(sorted(self.model_args.items())))
+            depths, params = model_shape(self.model, tuple(sorted(self.model_args.items())))
         except Exception as exc:  # whatever the model's constructor makes of these arguments
             message = str(exc) if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {exc}"
             raise field_error("model_args", message or type(exc).__name__) from None
+        if params > MAX_PARAMS:
+            raise field_error(
+                "model_args", f"{self.model} with these arguments has {params:,} parameters; at most {MAX_PARAMS:,}"
+            )
         seen: set[str] = set()
         for t, tier in enumerate(self.tiers):
             where = f"tiers[{t}]"
@@ -123,25 +136,32 @@ def stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
     ``model_args`` is ``tuple(sorted(kwargs.items()))``; results are cached unless a value is
     unhashable (a list, e.g. ``planes: [8, 16, 32, 64]``).
     """
+    return model_shape(model, model_args)[0]
+
+
+def model_shape(model: str, model_args: tuple) -> tuple[tuple[int, ...], int]:
+    """Blocks per stage and parameter count of a zoo model (built on the meta device, so it
+    costs no memory), cached as :func:`stage_depths`."""
     try:
         hash(model_args)
     except TypeError:
-        return _stage_depths(model, model_args)
-    return _cached_stage_depths(model, model_args)
+        return _model_shape(model, model_args)
+    return _cached_model_shape(model, model_args)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
-    return _stage_depths(model, model_args)
+def _cached_model_shape(model: str, model_args: tuple) -> tuple[tuple[int, ...], int]:
+    return _model_shape(model, model_args)
 
 
-def _stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
+def _model_shape(model: str, model_args: tuple) -> tuple[tuple[int, ...], int]:
     import torch
 
-    from .models import create_model
+    from .models import count_params, create_model
 
     with torch.device("meta"):
-        return create_model(model, **dict(model_args)).stage_depths
+        net = create_model(model, **dict(model_args))
+    return net.stage_depths, count_params(net)
 
 
 def format_validation_error(source: str, exc: ValidationError) -> SpecError:

@@ -67,10 +67,13 @@ def test_export_writes_only_the_requested_tiers(export_dir):
 
 def test_export_with_a_fixed_batch(spec_file, tmp_path, image):
     out = tmp_path / "fixed"
+    (out / ".export-killed").mkdir(parents=True)  # what an export killed mid-way leaves behind
+    (out / ".export-killed" / ".lock").write_text("")
     result = invoke("export", spec_file, "--out", out, "--tiers", "g0.25", "--no-batch-dynamic", "--batch", "2", "--latency-runs", "1")
     assert result.exit_code == 0, result.output
     manifest = load_manifest(out)
     assert manifest.input.batch == 2 and manifest.tiers[0].latency.batch == 2
+    assert sorted(p.name for p in out.iterdir()) == ["g0.25.onnx", "manifest.json"]  # the stale staging folder is gone
     session = ort.InferenceSession(str(out / "g0.25.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape == [2, 3, 32, 32]
     result = invoke("predict", out, image, image, image, "--top-k", "1")  # 3 images: padded to 2 + 2
@@ -166,3 +169,75 @@ def test_bench_tiers_measures_every_tier(export_dir):
     assert result.exit_code == 0, result.output
     assert "g0.25" in result.stdout and "g1" in result.stdout and "batch 2: median of 2 runs" in result.stdout
     assert_one_line_error(invoke("bench-tiers", export_dir, "--batch", "0"), 2, "must be >= 1")
+
+
+# ---- one line, exit 2, before any work (issue 12) ----------------------------------------------
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--latency-ms", "-1"], "--latency-ms: must be a finite number >= 0, got -1"),
+        (["--max-macs", "nan"], "--max-macs: must be a finite number >= 0, got nan"),
+        (["--max-memory-mb", "-0.5"], "--max-memory-mb: must be a finite number >= 0"),
+        (["--max-memory-mb", "8", "--batch", "-3"], "--batch: must be >= 1, got -3"),
+    ],
+)
+def test_select_refuses_negative_or_nan_budgets(export_dir, args, message):
+    assert_one_line_error(invoke("select", export_dir, *args), 2, message)
+
+
+def test_impossible_batches_are_refused_before_any_work(export_dir, spec_file, tmp_path):
+    huge = ["--batch", "1000000000"]
+    result = invoke("bench-tiers", export_dir, *huge, "--runs", "1")
+    assert_one_line_error(result, 2, "batch 1000000000: needs about")
+    assert "use a batch of at most" in result.stderr
+    assert_one_line_error(invoke("export", spec_file, "--out", tmp_path / "x", *huge), 2, "batch 1000000000: needs about")
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_export_out_must_be_a_folder(spec_file, tmp_path):
+    (tmp_path / "file").write_text("keep me")
+    assert_one_line_error(invoke("export", spec_file, "--out", tmp_path / "file"), 2, "is a file; export writes a folder")
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+def png_declaring(width, height):
+    """A small PNG file whose header declares ``width`` x ``height`` pixels (data truncated)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ((100_000, 100_000), "image declares more pixels than PIL decodes safely"),  # PIL's DecompressionBombError
+        ((10_000, 10_000), "image declares more pixels than PIL decodes safely"),  # PIL's DecompressionBombWarning
+        ((4_000, 4_000), "image is 4000x4000 RGB; the model takes 32x32 RGB"),  # refused before decoding
+    ],
+)
+def test_predict_refuses_decompression_bombs_from_the_header(export_dir, tmp_path, size, message):
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_declaring(*size))
+    assert bomb.stat().st_size < 200
+    assert_one_line_error(invoke("predict", export_dir, bomb), 2, message)
+
+
+def test_stale_staging_folders_of_killed_exports_are_removed(tmp_path):
+    import fcntl
+
+    from nefl_zoo.export.tiers import remove_stale_staging
+
+    dead, live = tmp_path / ".export-dead", tmp_path / ".export-live"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / ".lock").write_text("")
+        (folder / "g1.onnx").write_bytes(b"partial")
+    with open(live / ".lock") as held:  # a running export holds its lock; a killed one's was released
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert remove_stale_staging(tmp_path) == [dead]
+    assert not dead.exists() and (live / "g1.onnx").exists()

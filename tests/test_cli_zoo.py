@@ -62,7 +62,7 @@ def test_build_out_writes_weights_and_a_rebuildable_tier_spec(spec_file, tmp_pat
     "args, message",
     [
         (("build", "resnet9"), "error: model: unknown model 'resnet9'"),
-        (("build", "resnet20", "--gamma", "0"), "error: gamma must be in (0, 1]"),
+        (("build", "resnet20", "--gamma", "0"), "error: --gamma: must be in (0, 1], got 0"),
         (("build",), "error: give a MODEL or --spec FILE"),
         (("build", "--spec", "nope.yaml"), "error: nope.yaml: no such spec file"),
         (("profile", "nope.yaml"), "error: nope.yaml: no such spec file"),

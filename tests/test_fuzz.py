@@ -1,7 +1,9 @@
-"""Fuzzing of the files people write: any spec or training config, as data or as file text,
-gives either a valid object or a one-line SpecError/ConfigError naming its source. No other
-exception (pydantic's ValidationError, KeyError, TypeError, RecursionError, ...) escapes."""
+"""Fuzzing of the files people write: any spec, training config or manifest, as data or as file
+text, gives either a valid object or a one-line SpecError/ConfigError/ManifestError naming its
+source. No other exception (pydantic's ValidationError, KeyError, TypeError, RecursionError, ...)
+escapes."""
 
+import json
 import string
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
+from nefl_zoo.manifest import Manifest, ManifestError, load_manifest, parse_manifest
 from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, parse_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors:UserWarning")
@@ -227,3 +230,68 @@ def test_load_config_gives_a_config_or_a_one_line_error(fuzz_dir, text, sets):
         assert_one_line(exc, str(path))
     else:
         assert config is not None
+
+
+# ---- manifests (JSON, read by the torch-free runtime) ---------------------------------------------
+
+MACHINE = {"processor": "x86_64", "platform": "Linux", "cpu_count": 2, "onnxruntime": "1.0", "provider": "CPUExecutionProvider"}
+LATENCY = {"median_ms": 1.0, "batch": 1, "runs": 2, "threads": None, "machine": MACHINE}
+TIER = {
+    "name": "g1", "file": "g1.onnx", "sha256": "0" * 64, "params": 100, "params_ratio": 1.0, "macs": 1000, "macs_ratio": 1.0,
+    "gamma": 1.0, "gamma_w": 1.0, "blocks_per_stage": [3, 3, 3], "accuracy": 0.9, "batchnorm_folded": True, "channel_align": 1,
+    "max_abs_diff": 0.0, "weights_mb": 0.5, "activation_mb_per_sample": 0.1, "latency": LATENCY,
+}
+VALID_MANIFEST = {
+    "schema_version": 1, "model": "resnet20", "model_args": {"num_classes": 10}, "source": "x", "created_by": "nefl-zoo", "opset": 18,
+    "input": {"name": "input", "shape": [3, 32, 32], "dtype": "float32", "layout": "NCHW", "batch": None,
+              "normalization": {"mean": [0.5] * 3, "std": [0.25] * 3}, "dataset": "cifar10"},
+    "output": {"name": "logits", "num_classes": 10},
+    "class_names": [str(i) for i in range(10)],
+    "tiers": [TIER],
+}
+numbers = st.integers(-2, 40) | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0, -1, 2**63, 1e308])
+manifest_like = st.builds(lambda rest: {**VALID_MANIFEST, **rest}, some_of({
+    "schema_version": st.sampled_from([1, 2, "1", None]),
+    "model_args": st.dictionaries(st.sampled_from(["num_classes", "in_chans", "img_size"]), numbers | anything, max_size=2),
+    "input": st.builds(lambda rest: {**VALID_MANIFEST["input"], **rest}, some_of({
+        "shape": st.lists(numbers, max_size=4), "batch": numbers | st.none(),
+        "normalization": st.none() | st.fixed_dictionaries({"mean": st.lists(numbers, max_size=4), "std": st.lists(numbers, max_size=4)}),
+    })),
+    "output": st.builds(lambda rest: {**VALID_MANIFEST["output"], **rest}, some_of({"num_classes": numbers})),
+    "class_names": st.none() | st.lists(st.text(max_size=3), max_size=12),
+    "tiers": st.lists(st.builds(lambda rest: {**TIER, **rest}, some_of({
+        "name": st.sampled_from(["g1", "g0.5", ""]), "file": st.sampled_from(["g1.onnx", "../x.onnx", "a/b.onnx", "x"]),
+        "macs": numbers, "params_ratio": numbers, "gamma_w": numbers, "accuracy": numbers | st.none(), "weights_mb": numbers,
+        "latency": st.builds(lambda rest: {**LATENCY, **rest}, some_of({"median_ms": numbers, "batch": numbers, "threads": numbers})),
+    })), max_size=3),
+}))
+manifest_data = manifest_like | anything | st.just(VALID_MANIFEST)
+
+
+@FUZZ
+@given(data=manifest_data)
+def test_parse_manifest_gives_a_manifest_or_a_one_line_error(data):
+    try:
+        manifest = parse_manifest(data, "fuzz.json")
+    except ManifestError as exc:
+        assert_one_line(exc, "fuzz.json")
+    else:
+        assert isinstance(manifest, Manifest)
+        assert manifest.class_names is None or len(manifest.class_names) == manifest.output.num_classes
+
+
+@FUZZ
+@given(text=manifest_data.map(json.dumps) | st.text(max_size=80) | st.binary(max_size=40)
+       | st.integers(100, 3000).map(lambda n: "[" * n + "]" * n))
+def test_load_manifest_gives_a_manifest_or_a_one_line_error(fuzz_dir, text):
+    path = fuzz_dir / "manifest.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        manifest = load_manifest(path)
+    except ManifestError as exc:
+        assert_one_line(exc, str(path))
+    else:
+        assert isinstance(manifest, Manifest)

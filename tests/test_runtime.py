@@ -189,3 +189,103 @@ def test_select_reports_when_nothing_fits(export_copy):
 def test_memory_estimate_is_weights_plus_activations_per_sample(exported):
     tier = load_manifest(exported[2]).tier("full")
     assert tier.memory_mb(4) == pytest.approx(tier.weights_mb + 4 * tier.activation_mb_per_sample)
+
+
+# ---- what is verified is what runs (issue 12, class 5) --------------------------------------
+def small_logits(exported, x):
+    compiled, state, _ = exported
+    with torch.no_grad():
+        return compiled["small"].load(state).eval()(torch.from_numpy(x)).numpy()
+
+
+def test_a_tier_swapped_after_its_hash_check_is_not_run(exported, export_copy, monkeypatch):
+    """The file is replaced between the sha256 check and onnxruntime's load: the session
+    still runs the verified bytes (onnxruntime gets bytes, never the path)."""
+    import onnxruntime as ort
+
+    import nefl_zoo.runtime as runtime_module
+
+    real = ort.InferenceSession
+
+    def swap_then_load(model, *args, **kwargs):
+        (export_copy / "small.onnx").write_bytes((export_copy / "full.onnx").read_bytes())
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(runtime_module.ort, "InferenceSession", swap_then_load)
+    runtime = TierRuntime(export_copy)
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    np.testing.assert_allclose(runtime.run(x, "small"), small_logits(exported, x), atol=1e-4)
+
+
+def test_a_symlink_out_of_the_export_folder_is_refused(export_copy, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (export_copy / "small.onnx").rename(outside / "small.onnx")  # same bytes: the hash matches
+    (export_copy / "small.onnx").symlink_to(outside / "small.onnx")
+    runtime = TierRuntime(export_copy)
+    with pytest.raises(ManifestError, match=r"small.onnx: resolves to .*elsewhere/small.onnx, outside the manifest's folder") as info:
+        runtime.session("small")
+    assert "\n" not in str(info.value)
+    assert runtime.run(np.zeros((1, 3, 32, 32), np.float32), "full").shape == (1, 10)
+
+
+def test_a_symlink_inside_the_export_folder_is_followed(exported, export_copy):
+    (export_copy / "store").mkdir()
+    (export_copy / "small.onnx").rename(export_copy / "store" / "small.onnx")
+    (export_copy / "small.onnx").symlink_to(export_copy / "store" / "small.onnx")
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    np.testing.assert_allclose(TierRuntime(export_copy).run(x, "small"), small_logits(exported, x), atol=1e-4)
+
+
+def edit_manifest(directory, edit):
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.update(class_names=["a", "b"]), r"class_names: 2 names for 10 classes \(output.num_classes\)"),
+        (lambda m: m["input"].update(normalization={"mean": [0.5] * 3, "std": [0.2, 0.0, 0.2]}), r"input.normalization.std\[1\]: Input should be greater than 0"),
+        (lambda m: m["input"].update(normalization={"mean": [0.5], "std": [0.2]}), r"input.normalization.mean: 1 values for 3 input channels"),
+        (lambda m: m["tiers"][0].update(macs=-1), r"tiers\[0\].macs: Input should be greater than or equal to 0"),
+        (lambda m: m["tiers"][0]["latency"].update(median_ms=float("nan")), r"tiers\[0\].latency.median_ms: Input should be a finite number"),
+        (lambda m: m["tiers"][1].update(name="small"), r"tiers\[1\].name: duplicate tier name 'small'"),
+        (lambda m: m["input"].update(shape=[3, 32]), r"input.shape: List should have at least 3 items"),
+        (lambda m: m.update(model_args={"num_classes": 100}), r"output.num_classes: 10 contradicts model_args.num_classes = 100"),
+    ],
+)
+def test_inconsistent_manifest_is_refused_when_read(export_copy, edit, message):
+    edit_manifest(export_copy, edit)
+    with pytest.raises(ManifestError, match=message) as info:
+        TierRuntime(export_copy)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["input"].update(shape=[1, 32, 32]), r"input.shape: \[1, 32, 32\], but small.onnx takes \['batch', 3, 32, 32\]"),
+        (lambda m: m["output"].update(num_classes=5), r"output.num_classes: 5, but small.onnx gives 10 logits"),
+        (lambda m: m["input"].update(name="pixels"), r"input.name: 'pixels', but small.onnx takes input"),
+    ],
+)
+def test_manifest_that_contradicts_the_model_is_refused_at_load(export_copy, edit, message):
+    edit_manifest(export_copy, edit)
+    runtime = TierRuntime(export_copy)
+    with pytest.raises(ManifestError, match=message):
+        runtime.session("small")
+
+
+@pytest.mark.parametrize("budget", [{"latency_ms": -1.0}, {"max_macs": float("nan")}, {"max_memory_mb": float("inf")}, {"batch": 0}])
+def test_select_refuses_negative_or_non_finite_budgets(exported, budget):
+    with pytest.raises(ValueError, match="must be"):
+        TierRuntime(exported[2]).select(**budget)
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_running(exported):
+    runtime = TierRuntime(exported[2])
+    with pytest.raises(ValueError, match=r"batch 1000000000: needs about .* more than the .* of memory available; use a batch of at most"):
+        runtime.benchmark("full", 10**9)
+    assert not runtime._sessions  # refused before any session was created

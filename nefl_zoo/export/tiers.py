@@ -3,17 +3,20 @@
 For each tier: take the slim module from :meth:`CompiledTier.load`, fold and pad it where that
 keeps the output (:mod:`.surgery`), write it (:mod:`.onnx_file`), check the file and its parity
 with onnxruntime (:mod:`.verify`) and time it. Files are staged and moved into place only when
-every tier passed, the manifest last.
+every tier passed, the manifest last. Each staging folder is locked (``flock``) by the export
+writing it; the next export into the same folder removes staging folders whose export died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import onnx
 import torch
@@ -23,7 +26,7 @@ from .. import __version__
 from ..datasets import CLASS_NAMES, NORMALIZATION
 from ..files import atomic_write
 from ..manifest import MANIFEST_NAME, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
-from ..profile import profile_tiers
+from ..profile import check_batch_fits, profile_tiers
 from ..timing import median_ms
 from .onnx_file import (
     INPUT_NAME,
@@ -80,9 +83,10 @@ def _export_tier(
     example_batch = max(2, options.batch) if options.batch_dynamic else options.batch
     write_onnx(optimized, path, input_size, example_batch, options.batch_dynamic, options.opset)
 
-    model = onnx.load(str(path))
+    data = path.read_bytes()  # read once: these bytes are checked, hashed and verified
+    model = onnx.load_model_from_string(data)
     opset = check_single_file(name, model, options.opset)
-    sha256, session = hashed_session(path, options.threads)
+    sha256, session = hashed_session(data, str(path), options.threads)
     diff = check_parity(name, session, x, reference)
     feed = {INPUT_NAME: torch.randn(options.batch, *input_size, generator=generator).numpy()}
     latency_ms = median_ms(lambda: session.run(None, feed), options.latency_runs, warmup=2)
@@ -140,13 +144,15 @@ def export_tiers(
     if opset is not None and opset < MIN_OPSET:
         raise ValueError(f"opset: the torch.export-based exporter writes opset {MIN_OPSET} or later, got {opset}")
 
+    check_batch_fits(compiled.create_global_model(), compiled.input_size, batch)
     profiles = {p.name: p for p in profile_tiers(compiled)}
     options = _TierOptions(opset, batch_dynamic, batch, latency_runs, threads, channel_align, machine_description())
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: is a file; export writes a folder (tier files and manifest.json)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
     generator = torch.Generator().manual_seed(0)
-    try:
+    with _staging(out_dir) as staging:
         entries = []
         for name in names:
             module = compiled[name].load(source.global_state).eval()
@@ -196,9 +202,62 @@ def export_tiers(
             tiers=entries,
         )
         _publish(staging, out_dir, manifest)
+    return manifest
+
+
+STAGING_PREFIX = ".export-"
+_LOCK_NAME = ".lock"
+_YOUNG_S = 60.0  # a staging folder without a lock file yet may be an export that is starting
+
+
+@contextlib.contextmanager
+def _staging(out_dir: Path) -> Iterator[Path]:
+    """A new staging folder in ``out_dir``, locked with an exclusive ``flock`` on its ``.lock``
+    while the export runs (the kernel releases it when the process dies, which is how
+    :func:`remove_stale_staging` recognises a dead export's folder) and removed afterwards.
+    Stale folders of earlier, killed exports are removed first."""
+    remove_stale_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+    try:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock (and no clean-up of other folders)
+            yield staging
+            return
+        with open(staging / _LOCK_NAME, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return manifest
+
+
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove the staging folders in ``out_dir`` left by exports that died (no process holds
+    their lock any more); folders of running exports are left alone. Returns those removed."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    removed = []
+    for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        lock_path = folder / _LOCK_NAME
+        try:
+            if not lock_path.exists():
+                if time.time() - folder.stat().st_mtime < _YOUNG_S:
+                    continue  # perhaps an export between creating its folder and locking it
+            else:
+                with open(lock_path, "a") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        continue  # a running export holds it
+        except OSError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def _publish(staging: Path, out_dir: Path, manifest: Manifest) -> None:

@@ -1,5 +1,8 @@
 """Checks of an exported tier: one self-contained file, its hash, and parity with PyTorch.
 
+The file is read once: the bytes that are hashed into the manifest are the bytes onnxruntime
+loads for the parity check (:func:`hashed_session`), never the path a second time.
+
 Outputs agree when their largest absolute difference is at most
 ``ATOL * max(1, max |reference logit|)`` (:func:`tolerance_for`); the same bound decides
 whether a rewrite (:mod:`nefl_zoo.export.surgery`) may be used and whether onnxruntime's
@@ -8,15 +11,14 @@ output matches the PyTorch module.
 
 from __future__ import annotations
 
-from pathlib import Path
+import hashlib
 
 import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
 
-from ..manifest import file_sha256
-from ..runtime import create_session
+from ..runtime import session_from_bytes
 from .onnx_file import INPUT_NAME
 
 ATOL = 1e-4
@@ -52,10 +54,9 @@ def check_single_file(name: str, model: onnx.ModelProto, opset: int | None) -> i
     return written
 
 
-def hashed_session(path: Path, threads: int | None) -> tuple[str, ort.InferenceSession]:
-    """The file's sha256 and an onnxruntime session loaded after checking it."""
-    sha256 = file_sha256(path)
-    return sha256, create_session(path, sha256, threads=threads)
+def hashed_session(model: bytes, source: str, threads: int | None) -> tuple[str, ort.InferenceSession]:
+    """The sha256 of a serialized model and an onnxruntime session of those same bytes."""
+    return hashlib.sha256(model).hexdigest(), session_from_bytes(model, source, threads=threads)
 
 
 def check_parity(name: str, session: ort.InferenceSession, x: torch.Tensor, reference: torch.Tensor) -> float:

@@ -19,6 +19,9 @@ from ..userfiles import format_validation_error, parse_yaml, read_yaml
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
 from .strategy import Strategy, get_method, parse_settings, registered_methods
 
+MAX_SEED = 2**32 - 1  # what every RNG seeded from it (Python, NumPy, torch) takes
+
+
 class ConfigError(SpecError):
     """A training-config problem, printed as ``FILE: FIELD: message``."""
 
@@ -34,7 +37,7 @@ class RunConfig(Strict):
     name: str = "run"
     method: str = Field("nefl", description="a registered method (`nefl-zoo methods`)")
     method_args: dict[str, Any] = Field(default_factory=dict, description="the method's own settings")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="a 32-bit unsigned integer")
     rounds: int = Field(500, ge=1)
     spec: str | dict[str, Any]
     data: DataConfig = Field(default_factory=DataConfig)

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Strict(BaseModel):
-    """A config section: unknown keys are errors."""
+    """A config section: unknown keys are errors, and so are NaN and infinite numbers."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(Strict):
@@ -52,7 +52,7 @@ class ClientsConfig(Strict):
     ``groups`` (a list of lists of tier names) replaces both with explicit equal-size groups.
     """
 
-    num_clients: int = Field(100, ge=1)
+    num_clients: int = Field(100, ge=1, le=1_000_000)
     fraction: float = Field(0.1, gt=0, le=1, description="share of clients sampled per round")
     environment: Literal["dynamic", "fixed"] = "dynamic"
     groups: list[list[str]] | None = Field(None, description="explicit allowed tiers per client group")

@@ -70,9 +70,9 @@ class Aggregate:
 
 
 class MethodSettings(BaseModel):
-    """Base of a method's own settings (``method_args``); unknown keys are errors."""
+    """Base of a method's own settings (``method_args``); unknown keys and NaN/inf are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Strategy(abc.ABC):

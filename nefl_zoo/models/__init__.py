@@ -1,14 +1,27 @@
 """The model zoo: nested-ready networks registered by name."""
 
 from . import resnet, vit  # noqa: F401  (registers the models)
+from .args import ModelArgs, ModelArgsError
 from .base import NestedNet, count_params, scale_width
 from .pretrained import load_pretrained
-from .registry import ModelInfo, UnknownModelError, create_model, is_model, list_models, model_info, register_model
+from .registry import (
+    ModelInfo,
+    UnknownModelError,
+    check_model_args,
+    create_model,
+    is_model,
+    list_models,
+    model_info,
+    register_model,
+)
 
 __all__ = [
+    "ModelArgs",
+    "ModelArgsError",
     "ModelInfo",
     "NestedNet",
     "UnknownModelError",
+    "check_model_args",
     "count_params",
     "create_model",
     "is_model",

@@ -1,13 +1,19 @@
-"""timm-style model registry: ``register_model``, ``list_models``, ``model_info``, ``create_model``."""
+"""timm-style model registry: ``register_model``, ``list_models``, ``model_info``, ``create_model``.
+
+An entry point may declare its arguments (``@register_model(args=ResNetArgs)``, a
+:class:`~nefl_zoo.models.args.ModelArgs`); :func:`create_model` then validates them before
+the constructor runs (:func:`check_model_args`)."""
 
 from __future__ import annotations
 
 import fnmatch
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
+
+from .args import ModelArgs, check_args
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,7 @@ class ModelInfo:
     fn: Callable[..., nn.Module]
     module: str
     summary: str  # first line of the entry point's docstring
+    args: type[ModelArgs] | None = None  # the declared arguments, validated before construction
 
 
 _MODELS: dict[str, ModelInfo] = {}
@@ -27,15 +34,20 @@ class UnknownModelError(ValueError):
     """Raised when a model name is not in the registry."""
 
 
-def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register a model entry point under its function name (warns when it replaces one)."""
+def register_model(fn: Callable[..., nn.Module] | None = None, *, args: type[ModelArgs] | None = None):
+    """Register a model entry point under its function name (warns when it replaces one).
+
+    Use as ``@register_model``, or ``@register_model(args=MyArgs)`` to declare the entry
+    point's arguments (validated by :func:`create_model` before construction)."""
+    if fn is None:
+        return lambda entry_point: register_model(entry_point, args=args)
     name = fn.__name__
     if name in _MODELS:
         warnings.warn(
             f"model {name!r} from {fn.__module__} replaces the one from {_MODELS[name].module}", stacklevel=2
         )
     summary = (fn.__doc__ or "").strip().split("\n", 1)[0]
-    _MODELS[name] = ModelInfo(name, fn, fn.__module__, summary)
+    _MODELS[name] = ModelInfo(name, fn, fn.__module__, summary, args)
     return fn
 
 
@@ -56,13 +68,23 @@ def model_info(name: str) -> ModelInfo:
     return _MODELS[name]
 
 
+def check_model_args(name: str, kwargs: dict[str, Any]) -> None:
+    """Validate ``kwargs`` against the arguments ``name`` declares (nothing when it declares
+    none); :class:`~nefl_zoo.models.args.ModelArgsError` names the first bad argument."""
+    info = model_info(name)
+    if info.args is not None:
+        check_args(info.args, kwargs)
+
+
 def create_model(name: str, pretrained: str | None = None, **kwargs) -> nn.Module:
     """Build a registered model.
 
     ``kwargs`` go to the constructor (``num_classes``, ``in_chans``, ``gamma_w``, ``steps``,
-    and model-specific ones such as ``stem``); ``pretrained`` is a state-dict file or a
-    ``torchvision:NAME`` / ``timm:NAME`` reference handed to :func:`load_pretrained`.
+    and model-specific ones such as ``stem``), after :func:`check_model_args`;
+    ``pretrained`` is a state-dict file or a ``torchvision:NAME`` / ``timm:NAME`` reference
+    handed to :func:`load_pretrained`.
     """
+    check_model_args(name, kwargs)
     model = model_info(name).fn(**kwargs)
     if pretrained:
         from .pretrained import load_pretrained

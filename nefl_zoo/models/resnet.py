@@ -8,11 +8,13 @@ timm state dicts load directly. Removed blocks keep their original index in the 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Literal, Sequence
+from typing import Annotated, Iterator, Literal, Sequence
 
 import torch
+from pydantic import Field, StrictInt
 from torch import nn
 
+from .args import MAX_CHANNELS, ImageSize, ModelArgs
 from .base import NestedNet, Steps, resolve_steps, scale_width
 from .registry import register_model
 
@@ -179,57 +181,79 @@ class ResNet(NestedNet):
         return x if pre_logits else self.fc(x)
 
 
+class CifarResNetArgs(ModelArgs):
+    """Arguments of the CIFAR ResNets (resnet20 ... resnet110): 3 stages of 16/32/64 channels."""
+
+    img_size: ImageSize | None = Field(None, description="input size (default 32)")
+
+
+class WideResNetArgs(CifarResNetArgs):
+    """Arguments of wide_resnet101_2: also the stem and the base channels of its 4 stages."""
+
+    stem: Literal["cifar", "nefl", "imagenet"] = "imagenet"
+    planes: Sequence[Annotated[StrictInt, Field(ge=1, le=MAX_CHANNELS)]] = Field(
+        (64, 128, 256, 512), min_length=4, max_length=4, description="base channels of the 4 stages"
+    )
+
+
+class ResNetArgs(WideResNetArgs):
+    """Arguments of resnet18/34: also the bottleneck width factor."""
+
+    stem: Literal["cifar", "nefl", "imagenet"] = "nefl"
+    width_multiplier: StrictInt = Field(1, ge=1, le=64)
+
+
 def _cifar_resnet(depth: int, **kwargs) -> ResNet:
     n = (depth - 2) // 6
     kwargs.setdefault("num_classes", 10)
     return ResNet("basic", (n, n, n), (16, 32, 64), stem="cifar", **kwargs)
 
 
-@register_model
+@register_model(args=CifarResNetArgs)
 def resnet20(**kwargs) -> ResNet:
     """CIFAR ResNet-20 (3 stages x 3 basic blocks, 16/32/64 channels)."""
     return _cifar_resnet(20, **kwargs)
 
 
-@register_model
+@register_model(args=CifarResNetArgs)
 def resnet32(**kwargs) -> ResNet:
     """CIFAR ResNet-32 (3 x 5 blocks)."""
     return _cifar_resnet(32, **kwargs)
 
 
-@register_model
+@register_model(args=CifarResNetArgs)
 def resnet44(**kwargs) -> ResNet:
     """CIFAR ResNet-44 (3 x 7 blocks)."""
     return _cifar_resnet(44, **kwargs)
 
 
-@register_model
+@register_model(args=CifarResNetArgs)
 def resnet56(**kwargs) -> ResNet:
     """CIFAR ResNet-56 (3 x 9 blocks)."""
     return _cifar_resnet(56, **kwargs)
 
 
-@register_model
+@register_model(args=CifarResNetArgs)
 def resnet110(**kwargs) -> ResNet:
     """CIFAR ResNet-110 (3 x 18 blocks)."""
     return _cifar_resnet(110, **kwargs)
 
 
-@register_model
+@register_model(args=ResNetArgs)
 def resnet18(stem: str = "nefl", **kwargs) -> ResNet:
     """ResNet-18 (4 x 2 basic blocks); stem nefl (the paper's CIFAR setting), cifar or imagenet."""
     kwargs.setdefault("num_classes", 10 if stem != "imagenet" else 1000)
     return ResNet("basic", (2, 2, 2, 2), stem=stem, **kwargs)
 
 
-@register_model
+@register_model(args=ResNetArgs)
 def resnet34(stem: str = "nefl", **kwargs) -> ResNet:
     """ResNet-34 (3/4/6/3 basic blocks); stem as for resnet18."""
     kwargs.setdefault("num_classes", 10 if stem != "imagenet" else 1000)
     return ResNet("basic", (3, 4, 6, 3), stem=stem, **kwargs)
 
 
-@register_model
+@register_model(args=WideResNetArgs)
 def wide_resnet101_2(stem: str = "imagenet", **kwargs) -> ResNet:
     """Wide-ResNet-101-2 (bottleneck inner width x2), torchvision-compatible."""
     kwargs.setdefault("num_classes", 1000)

@@ -14,10 +14,48 @@ from collections import OrderedDict
 from typing import Iterator
 
 import torch
+from pydantic import Field, StrictInt, model_validator
 from torch import nn
 
+from ..userfiles import field_error
+from .args import MAX_CHANNELS, ImageSize, ModelArgs
 from .base import Index, NestedNet, Steps, resolve_steps, scale_width
 from .registry import register_model
+
+MAX_TOKENS = 4096  # patches per image: attention costs tokens^2 per head
+
+
+class ViTArgs(ModelArgs):
+    """Arguments of the ViTs (defaults: ViT-B/16's); checked together: ``embed_dim`` divisible
+    by ``num_heads``, ``patch_size`` at most ``img_size``, at most :data:`MAX_TOKENS` patches."""
+
+    num_classes: StrictInt = Field(1000, ge=1, le=1_000_000)
+    img_size: ImageSize = 224
+    patch_size: StrictInt = Field(16, ge=1, le=4096)
+    embed_dim: StrictInt = Field(768, ge=1, le=MAX_CHANNELS)
+    depth: StrictInt = Field(12, ge=1, le=1000)
+    num_heads: StrictInt = Field(12, ge=1, le=MAX_CHANNELS)
+    mlp_ratio: float = Field(4.0, gt=0, le=64, strict=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ViTArgs":
+        if self.embed_dim % self.num_heads:
+            raise field_error("num_heads", f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.patch_size > self.img_size:
+            raise field_error("patch_size", f"{self.patch_size} is larger than img_size {self.img_size}")
+        tokens = (self.img_size // self.patch_size) ** 2
+        if tokens > MAX_TOKENS:
+            raise field_error(
+                "patch_size", f"img_size {self.img_size} / patch_size {self.patch_size} gives {tokens:,} patches; at most {MAX_TOKENS:,}"
+            )
+        return self
+
+
+class ViTTinyArgs(ViTArgs):
+    """Arguments of vit_tiny_16 (defaults: ViT-Ti/16's)."""
+
+    embed_dim: StrictInt = Field(192, ge=1, le=MAX_CHANNELS)
+    num_heads: StrictInt = Field(3, ge=1, le=MAX_CHANNELS)
 
 
 class Attention(nn.Module):
@@ -162,14 +200,14 @@ class VisionTransformer(NestedNet):
         return (starts[:, None] + per_head[None, :]).reshape(-1)
 
 
-@register_model
+@register_model(args=ViTArgs)
 def vit_b_16(**kwargs) -> VisionTransformer:
     """ViT-B/16 (768 wide, 12 blocks, 12 heads); keyword arguments override the defaults."""
     cfg = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12) | kwargs
     return VisionTransformer(**cfg)
 
 
-@register_model
+@register_model(args=ViTTinyArgs)
 def vit_tiny_16(**kwargs) -> VisionTransformer:
     """ViT-Ti/16 (192 wide, 12 blocks, 3 heads)."""
     cfg = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3) | kwargs
