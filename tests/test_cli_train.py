@@ -66,12 +66,12 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
 
 
 def test_compare_writes_table_and_plot(tmp_path):
-    result = runner.invoke(app, ["compare", QUICK, "--methods", "nefl,fedprox", "--seeds", "2", "--out", str(tmp_path), *TINY,
+    result = runner.invoke(app, ["compare", QUICK, "--methods", "nefl,fedprox,fedlps", "--seeds", "2", "--out", str(tmp_path), *TINY,
                                  "--set", "rounds=1"])
     assert result.exit_code == 0, result.output
     table = (tmp_path / "results.md").read_text()
     assert "| Model | Method | Worst | Avg |" in table
-    assert "| resnet20 | NeFL |" in table and "| resnet20 | FedProx |" in table and "±" in table
+    assert "| resnet20 | NeFL |" in table and "| resnet20 | FedProx |" in table and "| resnet20 | FedLPS |" in table and "±" in table
     png = (tmp_path / "accuracy_vs_macs.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert sorted(p.name for p in (tmp_path / "nefl").iterdir()) == ["seed0", "seed1"]
@@ -82,5 +82,5 @@ def test_methods_lists_every_registered_method_with_its_settings():
     assert result.exit_code == 0, result.output
     cells = [line.split("│") for line in result.output.splitlines() if line.startswith("│")]
     rows = {c[1].strip(): "│".join(c) for c in cells if c[1].strip()}  # wrapped descriptions continue on rows without a name
-    assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox", "fedgh"]
+    assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox", "fedgh", "fedlps"]
     assert "mu: 0.01" in rows["fedprox"] and "kd: False" in rows["fjord"] and "bn_recompute_batches: 20" in rows["heterofl"]

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 0.5}, {"name": "b"}]}
 
 
-@pytest.mark.parametrize("name", ["digits-quick", "digits-compare", "digits-fedgh", "cifar10-iid-resnet18", "cifar10-noniid-resnet18"])
+@pytest.mark.parametrize("name", ["digits-quick", "digits-compare", "digits-fedgh", "digits-fedlps", "cifar10-iid-resnet18", "cifar10-noniid-resnet18"])
 def test_shipped_configs_load(name):
     config = load_config(ROOT / "specs" / "train" / f"{name}.yaml")
     assert len(config.submodel_spec().tiers) == 5
@@ -23,6 +23,8 @@ def test_shipped_configs_load(name):
     if name == "digits-fedgh":  # the FedGH paper's setting: 2 label shards, 8:1:1 local splits
         assert (config.data.partition, config.data.shards_per_client, config.data.local_split) == ("shards", 2, (0.8, 0.1, 0.1))
         assert config.build_strategy().settings.rep_dim == 500 and config.eval.per_client
+    if name == "digits-fedlps":  # the paper's levels: the largest tier unpruned, the smallest at 0.8
+        assert config.build_strategy().rho == {"g1": 0.0, "g0.8": 0.2, "g0.6": 0.4, "g0.4": 0.6, "g0.2": 0.8}
 
 
 def test_overrides_are_typed_and_nested():
@@ -36,7 +38,7 @@ def test_overrides_are_typed_and_nested():
     "data, field, words",
     [
         ({"spec": SPEC, "roundz": 3}, "roundz", "unknown key"),
-        ({"spec": SPEC, "method": "fedproxx"}, "method", "nefl, heterofl, fjord, depthfl, fedavg, fedavg_min, fedavg_full, fedprox, fedgh"),
+        ({"spec": SPEC, "method": "fedproxx"}, "method", "nefl, heterofl, fjord, depthfl, fedavg, fedavg_min, fedavg_full, fedprox, fedgh, fedlps"),
         ({"spec": SPEC, "method": "fedprox", "method_args": {"mu": -1}}, "method_args.mu", "fedprox: Input should be greater than or equal to 0"),
         ({"spec": SPEC, "method": "nefl", "method_args": {"kd": True}}, "method_args.kd", "nefl: unknown key"),
         ({"spec": SPEC, "method": "fjord", "method_args": {"kd": "maybe"}}, "method_args.kd", "fjord: Input should be a valid boolean"),

@@ -52,14 +52,17 @@ def results_table(config: RunConfig, runs: dict[str, list[RunResult]]) -> str:
 
 
 def _macs(config: RunConfig, method: str) -> dict[str, int]:
+    """MACs of the method's submodels by name; none for a method whose evaluated models are not
+    tiers of a compiled spec (FedLPS reports accuracy per task)."""
     from ..profile import profile_tiers
 
-    compiled = config.with_method(method).build_strategy().compiled
-    return {p.name: p.macs for p in profile_tiers(compiled)}
+    compiled = getattr(config.with_method(method).build_strategy(), "compiled", None)
+    return {p.name: p.macs for p in profile_tiers(compiled)} if compiled is not None else {}
 
 
 def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], path: Path) -> None:
-    """Accuracy of every submodel against its MACs, one line per method (mean ± std over seeds)."""
+    """Accuracy of every submodel against its MACs, one line per method (mean ± std over seeds);
+    methods without per-submodel MACs are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +71,9 @@ def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], p
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, results in runs.items():
         macs = _macs(config, method)
-        tiers = sorted(results[0].acc, key=macs.__getitem__)
+        tiers = sorted((t for t in results[0].acc if t in macs), key=macs.__getitem__)
+        if not tiers:  # nothing to place on the MACs axis
+            continue
         acc = np.array([[100 * r.acc[t] for t in tiers] for r in results])
         x = [macs[t] / 1e6 for t in tiers]
         ax.errorbar(x, acc.mean(0), yerr=acc.std(0), marker="o", capsize=3, label=get_method(method).label)

@@ -8,5 +8,6 @@ from .depthfl import DepthFL  # isort: skip
 from .fedavg import FedAvg, FedAvgFull, FedAvgMin  # isort: skip
 from .fedprox import FedProx  # isort: skip
 from .fedgh import FedGH  # isort: skip
+from .fedlps import FedLPS  # isort: skip
 
-__all__ = ["Assignment", "DepthFL", "FedAvg", "FedAvgFull", "FedAvgMin", "FedGH", "FedProx", "FjORD", "HeteroFL", "NeFL"]
+__all__ = ["Assignment", "DepthFL", "FedAvg", "FedAvgFull", "FedAvgMin", "FedGH", "FedLPS", "FedProx", "FjORD", "HeteroFL", "NeFL"]
