@@ -14,7 +14,6 @@ import functools
 import os
 from typing import Callable, Iterator, TypeVar
 
-import click
 import typer
 
 USAGE_ERROR = 2
@@ -77,10 +76,10 @@ def guarded(command: F) -> F:
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise
         except Exception as exc:  # noqa: BLE001 (the point: nothing else reaches the user)
-            if os.environ.get(TRACEBACK_ENV):
+            # click's and typer's own exits, aborts and usage errors pass through; typer >= 0.2x
+            # has its own classes (and a vendored click), so they are known by their package
+            if type(exc).__module__.partition(".")[0] in ("click", "typer") or os.environ.get(TRACEBACK_ENV):
                 raise
             raise fail(describe(exc)) from None
 
