@@ -1,0 +1,90 @@
+"""The Flower ``ClientApp``: a node runs the method's client hooks on its own partition.
+
+A node learns a run from its setup (``query``) message: the resolved run configuration, which
+it keeps in ``context.state`` under the run's id, and it answers with what its ``node_config``
+declares: ``partition-id``, ``num-partitions`` and, optionally, its resource level as
+``max-tier`` (every tier of the spec up to that one) or ``levels`` (comma-separated tiers).
+Then each ``train`` message runs the method's :meth:`~nefl_zoo.fl.strategy.Strategy.train` on
+partition ``partition-id`` of the run's data, and each ``evaluate`` message its
+:meth:`~nefl_zoo.fl.strategy.Strategy.evaluate_client` on the partition's own test split.
+Per-client state (FedGH's extractor) stays on the node, in ``context.state``.
+
+Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this node) and
+``threads`` (torch CPU threads; results are bit-identical to the embedded engine's only with the
+same thread count). The method and its data are built once per process and configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+
+from ..config import parse_config
+from ..data import FederatedData, load_data
+from ..strategy import Strategy
+from .records import read_instruction, reply_content, to_array_record, to_state
+from .strategy import NODE, NODE_KEYS, SETUP
+
+RUNS = "nefl.runs"  # context.state: run id -> its configuration (JSON)
+
+app = ClientApp()
+
+
+@functools.lru_cache(maxsize=2)
+def _method(config_json: str, data_root: str) -> tuple[Strategy, FederatedData]:
+    data = json.loads(config_json)
+    if data_root:
+        data["data"]["root"] = data_root
+    config = parse_config(data, "the run configuration from the server")
+    strategy = config.build_strategy()
+    return strategy, load_data(config.data, config.data_root(), strategy.input_size, config.clients.num_clients, config.seed)
+
+
+@app.query()
+def setup(message: Message, context: Context) -> Message:
+    """Keep the run's configuration; answer with this node's partition and resource level."""
+    run = message.content.config_records[SETUP]
+    runs = context.state.config_records.get(RUNS) or ConfigRecord()
+    runs[str(run["run"])] = str(run["config"])
+    context.state[RUNS] = runs
+    node = {k: context.node_config[k] for k in NODE_KEYS if k in context.node_config}
+    return Message(RecordDict({NODE: ConfigRecord(node)}), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    """Run the method's client ``train`` hook on this node's partition."""
+    return _serve("train", message, context)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """Run the method's ``evaluate_client`` hook on this node's own test split."""
+    return _serve("evaluate", message, context)
+
+
+def _serve(kind: str, message: Message, context: Context) -> Message:
+    if "threads" in context.node_config:
+        torch.set_num_threads(int(context.node_config["threads"]))
+    instruction, run = read_instruction(message.content)
+    runs = context.state.config_records.get(RUNS) or {}
+    if run not in runs:
+        raise RuntimeError(f"this node was not set up for run {run} (no setup message reached it)")
+    strategy, data = _method(str(runs[run]), str(context.node_config.get("data-root", "")))
+    partition = int(context.node_config["partition-id"])
+    key = f"nefl.client.{run}"
+    client_state = to_state(context.state.array_records[key]) if key in context.state.array_records else {}
+    if kind == "train":
+        reply = strategy.train(instruction, data.client_dataset(partition), client_state)
+        if client_state:
+            context.state[key] = to_array_record(client_state)
+    else:
+        reply = strategy.evaluate_client(instruction, data.client_test(partition), client_state)
+    if reply.error is not None:
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reply.error), reply_to=message)
+    return Message(reply_content(reply), reply_to=message)

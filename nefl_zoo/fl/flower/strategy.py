@@ -1,0 +1,230 @@
+"""A Flower ``Strategy`` that runs any registered nefl-zoo method on Flower's Message API.
+
+:class:`NestedStrategy` maps the method's hooks 1:1 onto Flower's: ``configure_train`` turns
+the method's per-client :class:`~nefl_zoo.fl.strategy.Instruction`\\ s into one ``Message`` per
+node (only that client's submodel tensors), ``aggregate_train`` turns the reply messages back
+into :class:`~nefl_zoo.fl.strategy.Reply`\\ s and calls the method's ``aggregate_train``
+(replies with an error, NaN/Inf or wrong shapes are rejected and logged; the round completes),
+and ``configure_evaluate`` / ``aggregate_evaluate`` do the same for client-side evaluation.
+
+Flower knows nodes by random ids; a method knows clients by partition and resource levels.
+:class:`NodeRegistry` learns, once per node and run, which client a node is: it sends a setup
+(``query``) message carrying the run's configuration, and the node answers with its
+``node_config`` (``partition-id``, ``num-partitions`` and optionally ``max-tier`` or ``levels``).
+
+:class:`~nefl_zoo.fl.flower.engine.FlowerEngine` uses :meth:`NestedStrategy.exchange` as the
+embedded engine's transport; Flower's own ``Strategy.start`` loop works with the hooks too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterable, Mapping, Sequence
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy as FlowerStrategy
+
+from ..strategy import ClientInfo, Instruction, Reply, Strategy
+from .records import instruction_content, read_reply, to_array_record, to_state
+
+log = logging.getLogger(__name__)
+
+SETUP, NODE = "nefl.setup", "nefl.node"  # record names of the setup message and its reply
+NODE_KEYS = ("partition-id", "num-partitions", "max-tier", "levels")  # what a node reports
+
+
+class Stopped(RuntimeError):
+    """The run was stopped while it waited for nodes or replies."""
+
+
+def collect(grid: Grid, messages: Sequence[Message], timeout: float, poll: float = 0.1,
+            stop: threading.Event | None = None) -> list[Message]:
+    """Push ``messages`` and pull their replies until all are in or ``timeout`` seconds passed
+    (``Grid.send_and_receive`` polls a SuperLink only every 3 s); :class:`Stopped` if ``stop``
+    is set meanwhile."""
+    pending = {i for i in grid.push_messages(messages) if i}
+    replies: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while pending:
+        if stop is not None and stop.is_set():
+            raise Stopped("the run was stopped while waiting for replies")
+        for reply in grid.pull_messages(list(pending)):
+            replies.append(reply)
+            pending.discard(reply.metadata.reply_to_message_id)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    return replies
+
+
+def node_levels(node: Mapping, default: tuple[str, ...], tiers: Sequence[str]) -> tuple[str, ...]:
+    """A node's resource levels: ``levels`` (comma-separated tier names), else every tier up to
+    ``max-tier`` (in spec order), else ``default`` (the run config's group of its partition)."""
+    if "levels" in node:
+        names = tuple(t.strip() for t in str(node["levels"]).split(",") if t.strip())
+    elif "max-tier" in node:
+        top = str(node["max-tier"])
+        if top not in tiers:
+            raise ValueError(f"max-tier {top!r} is not a tier of the run's spec ({', '.join(tiers)})")
+        names = tuple(tiers[: list(tiers).index(top) + 1])
+    else:
+        return default
+    unknown = [t for t in names if t not in tiers]
+    if unknown or not names:
+        raise ValueError(f"levels {names!r}: not tiers of the run's spec ({', '.join(tiers)})")
+    return names
+
+
+class NodeRegistry:
+    """Which connected Flower node is which client, for one run.
+
+    Args:
+        run: the run's id (names its configuration and per-client state on the nodes).
+        config_json: the resolved run configuration, sent to every node in its setup message.
+        defaults: the configured clients (partition ids ``0..M-1`` and their default levels).
+        tiers: the run spec's tier names (resource levels), in spec order.
+        timeout: seconds to wait for setup replies.
+        stop: when set, waiting for nodes or replies ends with :class:`Stopped`.
+    """
+
+    def __init__(self, run: str, config_json: str, defaults: Sequence[ClientInfo], tiers: Sequence[str],
+                 timeout: float = 60.0, poll: float = 0.1, stop: threading.Event | None = None):
+        self.run, self.config_json, self.timeout, self.poll = run, config_json, timeout, poll
+        self.stop = stop or threading.Event()
+        self.defaults = {c.cid: c for c in defaults}
+        self.tiers = list(tiers)
+        self.clients: dict[int, ClientInfo] = {}  # node id -> client
+        self.refused: dict[int, str] = {}  # node id -> why it takes no part
+
+    def add(self, node_id: int, client: ClientInfo) -> None:
+        """Register ``node_id`` as ``client`` (what a setup reply does)."""
+        self.clients[node_id] = client
+
+    def node_of(self, cid: int) -> int:
+        return next(n for n, c in self.clients.items() if c.cid == cid)
+
+    def cid_of(self, node_id: int) -> int | None:
+        client = self.clients.get(node_id)
+        return client.cid if client else None
+
+    def refresh(self, grid: Grid, min_nodes: int = 1) -> list[ClientInfo]:
+        """Set up newly connected nodes, forget departed ones, and return the clients of the
+        connected nodes (by partition id); wait until at least ``min_nodes`` are there."""
+        waited = 0.0
+        while True:
+            connected = set(grid.get_node_ids())
+            for node_id in set(self.clients) - connected:
+                log.warning("node %s (client %s) left", node_id, self.clients.pop(node_id).cid)
+            new = connected - set(self.clients) - set(self.refused)
+            if new:
+                self._set_up(grid, sorted(new))
+            if len(self.clients) >= min_nodes:
+                return sorted(self.clients.values(), key=lambda c: c.cid)
+            if self.stop.is_set():
+                raise Stopped("the run was stopped while waiting for nodes")
+            if waited % 30 == 0:
+                log.info("waiting for nodes: %d of %d set up", len(self.clients), min_nodes)
+            time.sleep(1.0)
+            waited += 1.0
+
+    def _set_up(self, grid: Grid, node_ids: list[int]) -> None:
+        """Send each node the run (its own message), register or refuse it by its reply; a node
+        without a reply yet, or whose partition another node holds, is asked again next time."""
+        messages = {node_id: Message(RecordDict({SETUP: ConfigRecord({"run": self.run, "config": self.config_json})}),
+                                     node_id, MessageType.QUERY) for node_id in node_ids}
+        replies = {m.metadata.reply_to_message_id: m for m in collect(grid, list(messages.values()), self.timeout, self.poll, self.stop)}
+        for node_id, message in messages.items():
+            reply = replies.get(message.metadata.message_id)
+            if reply is None:
+                log.warning("node %s: no setup reply within %g s", node_id, self.timeout)
+                continue
+            try:
+                client = self._client(reply)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.refused[node_id] = str(exc)
+                log.warning("node %s takes no part in this run: %s", node_id, exc)
+                continue
+            if client.cid in (c.cid for c in self.clients.values()):
+                log.warning("node %s: partition-id %s is node %s's (until that one leaves)", node_id, client.cid, self.node_of(client.cid))
+                continue
+            self.add(node_id, client)
+
+    def _client(self, reply: Message) -> ClientInfo:
+        if reply.has_error():
+            raise ValueError(f"setup failed: {reply.error.reason}")
+        node = dict(reply.content.config_records[NODE])
+        cid, parts = int(node["partition-id"]), int(node.get("num-partitions", len(self.defaults)))
+        if parts != len(self.defaults) or cid not in self.defaults:
+            raise ValueError(f"partition-id {cid} of num-partitions {parts}; the run has clients.num_clients = {len(self.defaults)}")
+        return ClientInfo(cid, node_levels(node, self.defaults[cid].levels, self.tiers))
+
+
+class NestedStrategy(FlowerStrategy):
+    """Flower's ``Strategy`` for a nefl-zoo method.
+
+    Args:
+        method: the method (``RunConfig.build_strategy()``).
+        nodes: the run's node registry.
+        timeout: seconds to wait for a round's replies; a node without a reply by then counts as
+            a rejected reply (the round completes with the others).
+    """
+
+    def __init__(self, method: Strategy, nodes: NodeRegistry, timeout: float = 3600.0, poll: float = 0.1):
+        self.method, self.nodes, self.timeout, self.poll = method, nodes, timeout, poll
+        self.global_state: dict = {}  # the state configure_train was given (aggregate_train needs it)
+        self.sent: dict[str, dict[int, Message]] = {}  # kind -> client -> this round's message
+
+    def summary(self) -> None:
+        log.info("%s (%s) on Flower: %d nodes set up, reply timeout %g s", self.method.label, self.method.name,
+                 len(self.nodes.clients), self.timeout)
+
+    # -- Flower's hooks -------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        self.global_state = to_state(arrays)
+        instructions = self.method.configure_train(server_round, self.global_state, self.nodes.refresh(grid))
+        return list(self.messages(MessageType.TRAIN, instructions).values())
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        result = self.method.aggregate_train(server_round, self.global_state, self.replies(MessageType.TRAIN, replies))
+        self.global_state = result.state
+        return to_array_record(result.state), MetricRecord({"accepted": result.accepted, "rejected": len(result.rejected)})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        instructions = self.method.configure_evaluate(server_round, to_state(arrays), self.nodes.refresh(grid))
+        return list(self.messages(MessageType.EVALUATE, instructions).values())
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        acc = self.method.aggregate_evaluate(server_round, self.replies(MessageType.EVALUATE, replies))
+        return MetricRecord(acc) if acc else None
+
+    # -- the transport: instructions out, replies back --------------------------------------
+    def messages(self, kind: str, instructions: Mapping[int, Instruction]) -> dict[int, Message]:
+        """One message per client's node, carrying only that client's instruction."""
+        self.sent[kind] = {
+            cid: Message(instruction_content(instruction, self.nodes.run), self.nodes.node_of(cid), kind)
+            for cid, instruction in instructions.items()
+        }
+        return self.sent[kind]
+
+    def replies(self, kind: str, messages: Iterable[Message]) -> dict[int, Reply]:
+        """The replies to this round's ``kind`` messages, by client in the order they were sent;
+        a client whose reply is missing gets a reply with ``error`` set."""
+        sent = self.sent.get(kind, {})
+        by_id = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
+        received: dict[int, Reply] = {}
+        for message in messages:
+            cid = by_id.get(message.metadata.reply_to_message_id, self.nodes.cid_of(message.metadata.src_node_id))
+            if cid not in sent:
+                log.warning("a %s reply from node %s answers no message of this round; ignored", kind, message.metadata.src_node_id)
+                continue
+            received[cid] = read_reply(message)
+        missing = Reply({}, {}, error=f"no reply within {self.timeout:g} s")
+        return {cid: received.get(cid, missing) for cid in sent}
+
+    def exchange(self, grid: Grid, kind: str, instructions: Mapping[int, Instruction]) -> dict[int, Reply]:
+        """Send each client its instruction through ``grid`` and return the replies."""
+        messages = self.messages(kind, instructions)
+        return self.replies(kind, collect(grid, list(messages.values()), self.timeout, self.poll, self.nodes.stop))
