@@ -17,13 +17,16 @@ from __future__ import annotations
 import abc
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar, Union
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
+
+if TYPE_CHECKING:
+    from ..slim import CompiledSpec
 from .settings import TrainConfig
 
 Scalar = Union[int, float, str, bool]
@@ -220,6 +223,29 @@ class Strategy(abc.ABC):
     def reply_weight(self, reply: Reply) -> float:
         """A reply's aggregation weight: 1 per client (the paper) or its sample count."""
         return 1.0 if self.train_config.weighting == "clients" else float(reply.metrics["num_samples"])
+
+
+class CompiledStrategy(Strategy):
+    """A strategy whose submodels are the tiers of a compiled spec, ``self.compiled``
+    (:class:`~nefl_zoo.slim.CompiledSpec`, set by the subclass's ``__init__``)."""
+
+    compiled: "CompiledSpec"
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self.compiled.tiers)
+
+    @property
+    def global_spec(self) -> SubmodelSpec:
+        return self.compiled.spec
+
+    @property
+    def input_size(self) -> tuple[int, int, int]:
+        return self.compiled.input_size
+
+    @property
+    def num_classes(self) -> int:
+        return self.compiled.num_classes
 
 
 # -- the registry ----------------------------------------------------------------------------

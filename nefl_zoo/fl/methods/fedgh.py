@@ -28,7 +28,7 @@ from ...spec import SubmodelSpec
 from ..client import evaluate, fit, learning_rate
 from ..local import LocalModel
 from ..strategy import (
-    Aggregate, ClientInfo, Instruction, MethodSettings, Reply, State, Strategy, register_method,
+    Aggregate, ClientInfo, CompiledStrategy, Instruction, MethodSettings, Reply, State, register_method,
 )
 from .nefl import mean_accuracy_per_tier
 
@@ -77,29 +77,13 @@ class _PersonalModel(LocalModel):
 
 
 @register_method("fedgh", label="FedGH", settings=FedGHSettings)
-class FedGH(Strategy):
+class FedGH(CompiledStrategy):
     """FedGH: personalised heterogeneous extractors, one global header trained on the server."""
 
     def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
         super().__init__(spec, train, settings, **run)
         self.compiled: CompiledSpec = compile_spec(spec)
         self.level_size = {name: ct.slice_map.numel() for name, ct in self.compiled.tiers.items()}
-
-    @property
-    def tier_names(self) -> list[str]:
-        return list(self.compiled.tiers)
-
-    @property
-    def global_spec(self) -> SubmodelSpec:
-        return self.compiled.spec
-
-    @property
-    def input_size(self) -> tuple[int, int, int]:
-        return self.compiled.input_size
-
-    @property
-    def num_classes(self) -> int:
-        return self.compiled.num_classes
 
     def submodel_numel(self, tier: str) -> int:
         return (self.settings.rep_dim + 1) * self.num_classes

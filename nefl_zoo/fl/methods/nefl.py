@@ -16,7 +16,7 @@ from ...spec import SubmodelSpec, TierSpec
 from ..aggregate import Update, nefedavg
 from ..client import evaluate, fit
 from ..local import LocalModel, SubmodelLocal, load_entries
-from ..strategy import Aggregate, ClientInfo, Instruction, Reply, State, Strategy, register_method
+from ..strategy import Aggregate, ClientInfo, CompiledStrategy, Instruction, Reply, State, register_method
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Assignment:
 
 
 @register_method("nefl", label="NeFL")
-class NeFL(Strategy):
+class NeFL(CompiledStrategy):
     """NeFL as in the paper.
 
     A client picks a random submodel among the resource levels its environment allows; it
@@ -61,22 +61,6 @@ class NeFL(Strategy):
         self.level_size = {name: ct.slice_map.numel() for name, ct in levels.tiers.items()}
         method_spec = self.method_spec(spec)
         self.compiled: CompiledSpec = levels if method_spec is spec else compile_spec(method_spec)
-
-    @property
-    def tier_names(self) -> list[str]:
-        return list(self.compiled.tiers)
-
-    @property
-    def global_spec(self) -> SubmodelSpec:
-        return self.compiled.spec
-
-    @property
-    def input_size(self) -> tuple[int, int, int]:
-        return self.compiled.input_size
-
-    @property
-    def num_classes(self) -> int:
-        return self.compiled.num_classes
 
     def largest(self, levels: list[str]) -> str:
         """The largest resource level among ``levels`` (by parameter count)."""
