@@ -30,35 +30,13 @@ from safetensors.torch import load_file
 from nefl_zoo.files import CRASH_EXIT_CODE, DirLock, LockedError, atomic_write
 from nefl_zoo.fl import strategy as strategy_module
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.methods import NeFL
 from nefl_zoo.fl.store import CHECKPOINT_JSON, CheckpointError, RunExistsError, RunStore, read_pointer, rng_states
 from nefl_zoo.fl.strategy import register_method
 from tests.test_fl_engine import tiny
+from tests.test_fl_strategy import Counting  # NeFL with per-client and server state
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Counting(NeFL):
-    """NeFL that also keeps per-client and server state, so checkpoints hold every kind of file."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.aggregations = torch.zeros((), dtype=torch.int64)
-
-    def train(self, instruction, data, client_state):
-        client_state["rounds"] = client_state.get("rounds", torch.zeros((), dtype=torch.int64)) + 1
-        return super().train(instruction, data, client_state)
-
-    def aggregate_train(self, server_round, global_state, replies):
-        self.aggregations = self.aggregations + 1
-        return super().aggregate_train(server_round, global_state, replies)
-
-    def server_state(self):
-        return {"aggregations": self.aggregations}
-
-    def load_server_state(self, state):
-        self.aggregations = state["aggregations"]
 
 
 @contextlib.contextmanager
