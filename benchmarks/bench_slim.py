@@ -29,7 +29,7 @@ SPECS = ["resnet110/nefl-w", "resnet110/nefl-d", "resnet110/nefl-wd", "resnet56/
 
 def masked_model(spec, tier):
     """The paper's way: all blocks run; skipped ones have their step fixed to 0."""
-    model = create_model(spec.model, **spec.model_args, gamma_w=tier.gamma_w)
+    model = create_model(spec.model, **spec.model_args, **(spec.tier_args(tier) | {"steps": None}))
     if tier.steps:
         with torch.no_grad():
             for stage, block, module in model.residual_blocks():

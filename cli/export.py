@@ -28,15 +28,18 @@ def export(
     seed: int = typer.Option(0, help="spec sources without --pretrained: seed of the random weights"),
     latency_runs: int = typer.Option(20, help="timed runs per tier (median)"),
     threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the latency (default: per core)"),
-    pad_channels: int = typer.Option(
-        1, help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths)"
+    pad_channels: str = typer.Option(
+        "auto",
+        help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths); "
+        "auto: export each tier plain and padded to the CPU kernels' block, keep the faster",
     ),
 ) -> None:
     """Export every tier to one verified .onnx file each, plus manifest.json."""
     from nefl_zoo.export import DATASETS, ExportError, export_tiers, load_source
     from nefl_zoo.spec import SpecError
 
-    require_positive(batch=batch, latency_runs=latency_runs, threads=threads, pad_channels=pad_channels)
+    require_positive(batch=batch, latency_runs=latency_runs, threads=threads)
+    align = _pad_channels(pad_channels)
     if out.exists() and not out.is_dir():
         raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
     if dataset is not None and dataset not in DATASETS:
@@ -47,21 +50,34 @@ def export(
         try:
             manifest = export_tiers(
                 src, out, tiers=names, opset=opset, batch_dynamic=batch_dynamic, batch=batch,
-                dataset=dataset, latency_runs=latency_runs, threads=threads, channel_align=pad_channels,
+                dataset=dataset, latency_runs=latency_runs, threads=threads, channel_align=align,
             )
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
     from rich.table import Table
 
-    table = Table("tier", "file", "params", "MACs ratio", "max |diff|", f"latency ms (batch {batch})", "BN folded")
+    table = Table(
+        "tier", "file", "params", "MACs ratio", "max |diff|", f"latency ms (batch {batch})", "BN folded", "padded to"
+    )
     for t in manifest.tiers:
+        tried = ", ".join(f"{a}: {ms:.3f} ms" for a, ms in (t.channel_align_ms or {}).items())
         table.add_row(
             t.name, t.file, f"{t.params:,}", f"{t.macs_ratio:.3f}", f"{t.max_abs_diff:.1e}",
             f"{t.latency.median_ms:.3f}", "yes" if t.batchnorm_folded else "no",
+            ("-" if t.channel_align == 1 else str(t.channel_align)) + (f" (auto; {tried})" if tried else ""),
         )
     console().print(table)
     typer.echo(f"wrote {out / 'manifest.json'}")
+
+
+def _pad_channels(value: str):
+    """``--pad-channels``: ``auto`` or a whole number >= 1 (exit 2 otherwise)."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise fail(f"--pad-channels: expected auto or a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def select(

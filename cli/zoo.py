@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -77,8 +78,14 @@ def schema() -> None:
 
 def build(
     model: Optional[str] = typer.Argument(None, help="zoo model (optional with --spec)"),
-    gamma: float = typer.Option(1.0, help="target parameter ratio in (0, 1]"),
+    gamma: Optional[float] = typer.Option(None, help="target parameter ratio in (0, 1] (default 1)"),
     mode: Mode = typer.Option(Mode.balanced, help="how to reach gamma"),
+    channel_multiple: int = typer.Option(1, help="round every width to a multiple of N (1: the paper's rule)"),
+    latency_ms: Optional[float] = typer.Option(
+        None, help="instead of --gamma: the largest tier within this onnxruntime latency here (measured)"
+    ),
+    batch: int = typer.Option(1, help="batch for --latency-ms"),
+    threads: int = typer.Option(1, help="onnxruntime threads for --latency-ms"),
     spec: Optional[Path] = typer.Option(None, help="spec file or shipped spec name"),
     tier: Optional[str] = typer.Option(None, help="tier of --spec"),
     pretrained: Optional[str] = typer.Option(None, help="weights file or torchvision:/timm: name"),
@@ -88,13 +95,22 @@ def build(
     """Build a physically slimmed submodel and say what it is."""
     from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
 
+    if gamma is not None and latency_ms is not None:
+        raise fail("--latency-ms: give --gamma or --latency-ms, not both")
+    if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms > 0):
+        raise fail(f"--latency-ms: must be a finite number > 0, got {latency_ms:g}")
+    gamma = 1.0 if gamma is None else gamma
     if not 0 < gamma <= 1:
         raise fail(f"--gamma: must be in (0, 1], got {gamma:g}")
+    require_positive(channel_multiple=channel_multiple, batch=batch, threads=threads)
+    measured = None
     if out is not None:
         _check_out(out)
     note = ""
     with user_errors(SpecError):
         if spec is not None:
+            if latency_ms is not None:
+                raise fail("--latency-ms: builds a tier of a MODEL, not one of --spec")
             sub = load_spec(resolve_spec_path(spec))
             if model is not None and model != sub.model:
                 raise fail(f"{spec}: model: spec is for {sub.model}, not {model}")
@@ -111,17 +127,28 @@ def build(
 
             if not is_model(model):
                 raise fail(f"model: unknown model {model!r}; one of {', '.join(list_models())}")
-            try:
-                found = auto_tier(model, gamma, mode.value)
-            except ValueError as exc:
-                raise fail(f"--gamma: {str(exc).removeprefix('gamma ')}") from None
-            note = found.note
-            chosen = found.tier
+            if latency_ms is not None:
+                from nefl_zoo.auto import latency_tier
+
+                try:
+                    measured = latency_tier(model, latency_ms, batch, threads, mode.value, channel_multiple)
+                except ValueError as exc:
+                    raise fail(f"--latency-ms: {exc}") from None
+                chosen = measured.tier
+            else:
+                try:
+                    found = auto_tier(model, gamma, mode.value, channel_multiple=channel_multiple)
+                except ValueError as exc:
+                    raise fail(f"--gamma: {str(exc).removeprefix('gamma ')}") from None
+                note = found.note
+                chosen = found.tier
             sub = SubmodelSpec(model=model, tiers=[chosen])
-        report, slim = _build_report(sub, chosen.name, pretrained)
+        report, slim = _build_report(sub, chosen.name, pretrained, weights=out is not None or pretrained is not None)
         if out is not None:
             _write_submodel(out, slim, sub, chosen.name)
             report["out"] = str(out)
+    if measured is not None:
+        report |= {"latency_ms": measured.latency_ms, "budget_ms": latency_ms, "batch": batch, "threads": threads}
     if as_json:
         typer.echo(json.dumps(report | ({"note": note} if note else {})))
         return
@@ -129,33 +156,53 @@ def build(
     typer.echo(
         f"{report['model']} tier {report['tier']}: {report['params']:,} params "
         f"({report['params_ratio']:.3f} of full), {report['macs'] / 1e6:,.1f}M MACs "
-        f"({report['macs_ratio']:.3f}), gamma_w={report['gamma_w']:g}, blocks per stage {blocks}"
+        f"({report['macs_ratio']:.3f}), gamma_w={report['gamma_w']:g}"
+        + (f", channels a multiple of {report['channel_multiple']}" if report["channel_multiple"] > 1 else "")
+        + f", blocks per stage {blocks}"
         + (f", written to {out}" if out else "")
     )
+    if measured is not None:
+        typer.echo(
+            f"onnxruntime latency here: {measured.latency_ms:.3f} ms at batch {batch}, {threads} thread(s) "
+            f"(budget {latency_ms:g} ms, {measured.latency_ms / latency_ms:.0%} of it; "
+            f"{len(measured.candidates)} candidates measured)"
+        )
     if note:
         typer.echo(f"note: {note}", err=True)
 
 
-def _build_report(spec, tier: str, pretrained: str | None) -> tuple[dict, "object"]:
+def _build_report(spec, tier: str, pretrained: str | None, weights: bool) -> tuple[dict, "object"]:
+    """What ``tier`` of ``spec`` is; with ``weights`` also the slim module carrying the full
+    model's (``pretrained``) weights, else shape-only modules and cached MACs (no weights)."""
+    import torch
+
     from nefl_zoo.models import count_params
-    from nefl_zoo.profile import blocks_per_stage, count_macs
+    from nefl_zoo.profile import blocks_per_stage, macs_signature, tier_macs
     from nefl_zoo.slim import compile_spec
 
     compiled = compile_spec(spec)
-    full = compiled.create_global_model(pretrained=pretrained)
     ct = compiled[tier]
-    slim = ct.load(compiled.init_global_state(full))
-    params, macs = count_params(slim), count_macs(slim, compiled.input_size)
+    slim = None
+    if weights:
+        full = compiled.create_global_model(pretrained=pretrained)
+        slim = ct.load(compiled.init_global_state(full))
+    with torch.device("meta"):
+        full_meta = compiled.create_global_model()
+        full_params, params = count_params(full_meta), count_params(ct.build())
+    size = compiled.input_size
+    macs = tier_macs(macs_signature(spec, ct.tier, size), ct.build)
+    full_macs = tier_macs(macs_signature(spec, None, size), compiled.create_global_model)
     report = {
         "model": spec.model,
         "tier": tier,
         "params": params,
-        "params_ratio": params / count_params(full),
+        "params_ratio": params / full_params,
         "macs": macs,
-        "macs_ratio": macs / count_macs(full, compiled.input_size),
+        "macs_ratio": macs / full_macs,
         "gamma": ct.tier.gamma,
         "gamma_w": ct.tier.gamma_w,
-        "blocks_per_stage": blocks_per_stage(ct, full.stage_depths),
+        "channel_multiple": spec.tier_args(ct.tier)["channel_multiple"],
+        "blocks_per_stage": blocks_per_stage(ct, full_meta.stage_depths),
     }
     return report, slim
 

@@ -1,4 +1,6 @@
-"""Pick a tier (width ratio and kept blocks) that reaches a target parameter ratio."""
+"""Pick a tier (width ratio and kept blocks) that reaches a target parameter ratio
+(:func:`auto_tier`), or the largest that meets a latency budget on this machine
+(:func:`latency_tier`)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ from typing import Literal
 import torch
 
 from .models import NestedNet, count_params, create_model
-from .spec import TierSpec
+from .spec import SubmodelSpec, TierSpec
 
 Mode = Literal["balanced", "width", "depth"]
 TOLERANCE = 0.01  # relative
+ALIGNED_TOLERANCE = 0.02  # relative, with channel_multiple > 1 (widths move in steps)
 MIN_BALANCED_GAMMA = 0.005**2  # below it, balanced mode's width ratio round(sqrt(gamma), 2) is 0
 
 
 @dataclass
 class AutoTier:
-    """The chosen tier, its measured parameter ratio and whether it is within 1% of the target."""
+    """The chosen tier, its measured parameter ratio and whether it is within tolerance of the
+    target (1%, or 2% with aligned widths)."""
 
     tier: TierSpec
     params_ratio: float
@@ -28,9 +32,9 @@ class AutoTier:
     note: str
 
 
-def _meta_model(name: str, model_args: dict, gamma_w: float = 1.0) -> NestedNet:
+def _meta_model(name: str, model_args: dict, gamma_w: float = 1.0, channel_multiple: int = 1) -> NestedNet:
     with torch.device("meta"):
-        return create_model(name, **model_args, gamma_w=gamma_w)
+        return create_model(name, **model_args, gamma_w=gamma_w, channel_multiple=channel_multiple)
 
 
 def _block_params(model: NestedNet) -> tuple[int, list[list[int]]]:
@@ -41,7 +45,7 @@ def _block_params(model: NestedNet) -> tuple[int, list[list[int]]]:
     return count_params(model) - sum(map(sum, per_block)), per_block
 
 
-def _width_search(name: str, model_args: dict, target: float, full: int) -> tuple[float, float]:
+def _width_search(name: str, model_args: dict, target: float, full: int, multiple: int) -> tuple[float, float]:
     """``gamma_w`` on a 0.001 grid whose width-only ratio is closest to ``target``.
 
     The parameter count grows with ``gamma_w``, so a bisection finds the first grid point at
@@ -49,7 +53,7 @@ def _width_search(name: str, model_args: dict, target: float, full: int) -> tupl
     """
     @functools.cache
     def ratio(k: int) -> float:
-        return count_params(_meta_model(name, model_args, k / 1000)) / full
+        return count_params(_meta_model(name, model_args, k / 1000, multiple)) / full
 
     lo, hi = 1, 1000
     while lo < hi:
@@ -60,9 +64,10 @@ def _width_search(name: str, model_args: dict, target: float, full: int) -> tupl
     return k / 1000, ratio(k)
 
 
-def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, full: int):
+def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, full: int, multiple: int):
     """Kept-prefix length per stage: the most balanced within tolerance, else the closest."""
-    base, blocks = _block_params(_meta_model(name, model_args, gamma_w))
+    tolerance = TOLERANCE if multiple == 1 else ALIGNED_TOLERANCE
+    base, blocks = _block_params(_meta_model(name, model_args, gamma_w, multiple))
     prefix = [list(itertools.accumulate(stage)) for stage in blocks]
     best = None
     for kept in itertools.product(*(range(1, len(stage) + 1) for stage in blocks)):
@@ -71,7 +76,7 @@ def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, fu
         miss = abs(ratio - target)
         spread = max(fractions) - min(fractions)
         # within tolerance, prefer stages kept in equal proportion; else the closest ratio
-        key = (0, spread, miss) if miss <= TOLERANCE * target else (1, miss, spread)
+        key = (0, spread, miss) if miss <= tolerance * target else (1, miss, spread)
         if best is None or key < best[0]:
             best = (key, kept, ratio)
     _, kept, ratio = best
@@ -79,17 +84,43 @@ def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, fu
     return steps, ratio
 
 
-def auto_tier(model: str, gamma: float, mode: Mode = "balanced", name: str | None = None, **model_args) -> AutoTier:
+def _balanced_search(name: str, model_args: dict, gamma: float, full: int, multiple: int):
+    """``gamma_w ~ sqrt(gamma)`` and the depth for the rest. With aligned widths the rounded
+    width may not leave the depth search a solution; then the other widths are tried, nearest
+    ``gamma_w`` first (0.01 grid), until one lands within tolerance, else the closest is kept."""
+    tolerance = TOLERANCE if multiple == 1 else ALIGNED_TOLERANCE
+    start = round(math.sqrt(gamma), 2)
+    best, seen = None, set()
+    grid = sorted(range(1, 101), key=lambda k: abs(k - start * 100))
+    for gamma_w in ([start] if multiple == 1 else [k / 100 for k in grid]):
+        widths = tuple(info["num_chs"] for info in _meta_model(name, model_args, gamma_w, multiple).feature_info)
+        if widths in seen:
+            continue
+        seen.add(widths)
+        steps, ratio = _depth_search(name, model_args, gamma_w, gamma, full, multiple)
+        if best is None or abs(ratio - gamma) < abs(best[2] - gamma):
+            best = (gamma_w, steps, ratio)
+        if abs(ratio - gamma) <= tolerance * gamma:
+            return gamma_w, steps, ratio
+    return best
+
+
+def auto_tier(
+    model: str, gamma: float, mode: Mode = "balanced", name: str | None = None, channel_multiple: int = 1, **model_args
+) -> AutoTier:
     """A tier of ``model`` whose measured parameter ratio is closest to ``gamma``.
 
     ``width`` narrows only, ``depth`` removes trailing blocks of each stage only, and
     ``balanced`` narrows to ``gamma_w ~ sqrt(gamma)`` and removes blocks for the rest, so
-    that gamma_W ~ gamma_D as in the NeFL paper.
+    that gamma_W ~ gamma_D as in the NeFL paper. ``channel_multiple`` > 1 rounds every width
+    to a multiple of it (:func:`~nefl_zoo.models.base.scale_width`); the tolerance is then 2%.
     """
     if not 0 < gamma <= 1:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     if mode not in ("balanced", "width", "depth"):
         raise ValueError(f"mode must be balanced, width or depth, got {mode!r}")
+    if channel_multiple < 1:
+        raise ValueError(f"channel_multiple must be >= 1, got {channel_multiple}")
     if mode == "balanced" and round(math.sqrt(gamma), 2) == 0:
         raise ValueError(
             f"gamma {gamma:g} is too small for balanced mode (its width ratio sqrt(gamma) rounds to 0): "
@@ -97,18 +128,91 @@ def auto_tier(model: str, gamma: float, mode: Mode = "balanced", name: str | Non
         )
     full = count_params(_meta_model(model, model_args))
     name = name or f"g{gamma:g}"
+    tolerance = TOLERANCE if channel_multiple == 1 else ALIGNED_TOLERANCE
     if gamma == 1:
         steps, gamma_w, ratio = None, 1.0, 1.0
     elif mode == "width":
         steps = None
-        gamma_w, ratio = _width_search(model, model_args, gamma, full)
+        gamma_w, ratio = _width_search(model, model_args, gamma, full, channel_multiple)
+    elif mode == "depth":
+        gamma_w = 1.0
+        steps, ratio = _depth_search(model, model_args, gamma_w, gamma, full, channel_multiple)
     else:
-        gamma_w = 1.0 if mode == "depth" else round(math.sqrt(gamma), 2)
-        steps, ratio = _depth_search(model, model_args, gamma_w, gamma, full)
-    within = abs(ratio - gamma) <= TOLERANCE * gamma
+        gamma_w, steps, ratio = _balanced_search(model, model_args, gamma, full, channel_multiple)
+    within = abs(ratio - gamma) <= tolerance * gamma
+    aligned = f" with channels a multiple of {channel_multiple}" if channel_multiple > 1 else ""
     note = "" if within else (
-        f"{model} cannot reach parameter ratio {gamma:g} within 1% in {mode} mode; "
+        f"{model} cannot reach parameter ratio {gamma:g} within {tolerance:.0%} in {mode} mode{aligned}; "
         f"closest is {ratio:.4f}"
     )
-    tier = TierSpec(name=name, gamma_w=gamma_w, steps=steps, gamma=gamma)
+    tier = TierSpec(
+        name=name, gamma_w=gamma_w, steps=steps, gamma=gamma, channel_multiple=channel_multiple if channel_multiple > 1 else None
+    )
     return AutoTier(tier=tier, params_ratio=ratio, within_tolerance=within, note=note)
+
+
+@dataclass
+class LatencyTier:
+    """The largest tier found within a latency budget, with its measured latency and every
+    candidate measured on the way (``(gamma, params ratio, ms)``)."""
+
+    tier: TierSpec
+    params_ratio: float
+    latency_ms: float
+    budget_ms: float
+    candidates: list[tuple[float, float, float]]
+
+
+def latency_tier(
+    model: str,
+    budget_ms: float,
+    batch: int = 1,
+    threads: int | None = 1,
+    mode: Mode = "balanced",
+    channel_multiple: int = 1,
+    runs: int = 20,
+    **model_args,
+) -> LatencyTier:
+    """The largest tier of ``model`` whose onnxruntime latency at ``batch`` with ``threads``
+    on this machine is within ``budget_ms``, by measurement.
+
+    Candidates are :func:`auto_tier` tiers for a target ``gamma`` on a 0.01 grid; each is
+    exported as ``nefl-zoo export`` would (BatchNorm folded) and timed (median of ``runs``,
+    :func:`~nefl_zoo.export.onnx_file.onnx_latency_ms`). The full model is tried first, then a
+    bisection over ``gamma`` between the smallest candidate (0.02) and 1, which assumes that
+    latency grows with ``gamma`` (aligned widths make it so). ``ValueError`` when even the
+    smallest candidate misses the budget.
+    """
+    from .export.onnx_file import onnx_latency_ms
+    from .slim import compile_spec
+
+    if not budget_ms > 0:
+        raise ValueError(f"latency budget must be > 0 ms, got {budget_ms:g}")
+    measured: dict[int, tuple[AutoTier, float]] = {}
+    by_tier: dict[str, float] = {}  # neighbouring gammas often give the same tier
+
+    def fits(k: int) -> bool:
+        found = auto_tier(model, k / 100, mode, channel_multiple=channel_multiple, **model_args)
+        spec = SubmodelSpec(model=model, model_args=model_args, tiers=[found.tier])
+        key = repr(spec.tier_args(found.tier))
+        if key not in by_tier:
+            module = compile_spec(spec)[found.tier.name].build()
+            by_tier[key] = onnx_latency_ms(module, tuple(module.default_cfg["input_size"]), batch, threads, runs)
+        measured[k] = (found, by_tier[key])
+        return by_tier[key] <= budget_ms
+
+    lo, hi = 2, 100
+    if fits(hi):
+        lo = hi
+    elif not fits(lo):
+        found, ms = measured[lo]
+        raise ValueError(
+            f"no tier of {model} meets {budget_ms:g} ms at batch {batch}: the smallest tried "
+            f"({found.tier.name}, parameter ratio {found.params_ratio:.3f}) takes {ms:.3f} ms"
+        )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    found, ms = measured[lo]
+    candidates = [(k / 100, f.params_ratio, t) for k, (f, t) in sorted(measured.items())]
+    return LatencyTier(tier=found.tier, params_ratio=found.params_ratio, latency_ms=ms, budget_ms=budget_ms, candidates=candidates)

@@ -21,7 +21,9 @@ Schema version 1 (every field required unless marked nullable; every number fini
                      macs, macs_ratio, gamma (nullable, nominal), gamma_w,
                      blocks_per_stage, accuracy (nullable: test accuracy of the source run),
                      batchnorm_folded, channel_align (inner channels zero-padded to a
-                     multiple of it; 1 = none), max_abs_diff (onnxruntime vs PyTorch),
+                     multiple of it; 1 = none), channel_align_ms (nullable: with
+                     --pad-channels auto, the median ms of each alignment tried),
+                     max_abs_diff (onnxruntime vs PyTorch),
                      weights_mb, activation_mb_per_sample,
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
@@ -137,6 +139,10 @@ class TierEntry(_Strict):
     accuracy: Annotated[float, Field(ge=0, le=1)] | None
     batchnorm_folded: bool
     channel_align: Positive = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
+    channel_align_ms: dict[str, NonNegative] | None = Field(
+        None,
+        description="--pad-channels auto: median latency (ms) of each alignment tried, keyed by it; the faster was kept",
+    )
     max_abs_diff: NonNegative
     weights_mb: NonNegative
     activation_mb_per_sample: NonNegative

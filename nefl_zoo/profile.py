@@ -5,23 +5,35 @@ fvcore's own handles (convolution, linear/matmul, batch and layer norm) we regis
 element-wise counter for ``add`` and ``mul`` so that the step-size multiply and the residual
 add are counted, at one op per output element. fvcore counts global average pooling at one
 op per input element; activations, max-pooling and softmax are not counted.
+
+fvcore traces the model with the JIT, which dominates ``nefl-zoo build`` and ``profile``;
+:func:`tier_macs` keeps each count in the user's cache directory (:func:`cache_dir`), keyed by
+everything that changes it (:func:`macs_signature`), and traces only on a miss.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
 import io
 import json
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .memory import WORKING_SET_FACTOR, check_batch_memory
+from . import __version__
+from .files import atomic_write
 from .models import count_params
 from .slim import CompiledSpec, CompiledTier
+from .spec import SubmodelSpec, TierSpec
 from .timing import median_ms
 
 MACS_NOTE = (
@@ -30,6 +42,8 @@ MACS_NOTE = (
     "and softmax not counted."
 )
 ELEMENTWISE_OPS = ("aten::add", "aten::add_", "aten::mul", "aten::mul_")
+MACS_COUNTER_VERSION = 1  # bump whenever what count_macs counts changes (invalidates the cache)
+CACHE_ENV = "NEFL_ZOO_CACHE_DIR"
 
 
 @dataclass
@@ -66,6 +80,71 @@ def count_macs(model: nn.Module, input_size: tuple[int, ...]) -> int:
     """MACs of one forward pass of a single input of shape ``input_size`` (C, H, W)."""
     with torch.no_grad():
         return int(_analysis(model, input_size).total())
+
+
+def cache_dir() -> Path:
+    """Where nefl-zoo caches figures: ``$NEFL_ZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/nefl-zoo``,
+    else ``~/.cache/nefl-zoo``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nefl-zoo"
+
+
+def macs_signature(spec: SubmodelSpec, tier: TierSpec | None, input_size: tuple[int, ...]) -> dict:
+    """Everything the MACs of ``tier`` of ``spec`` (``None``: the full model) depend on: the
+    model, its arguments, the width ratio and channel multiple, the kept blocks, the input
+    size and the versions of the counter (ours, fvcore's, torch's, nefl-zoo's and a digest of
+    the model and counter code)."""
+    from importlib.metadata import version
+
+    args = spec.tier_args(tier) if tier is not None else {"gamma_w": 1.0, "channel_multiple": 1, "steps": None}
+    kept = None if args["steps"] is None else [[v != 0 for v in stage] for stage in args["steps"]]
+    return {  # written the same for the same module: all blocks kept is None, full width multiple 1
+        "model": spec.model,
+        "model_args": spec.model_args,
+        "gamma_w": args["gamma_w"],
+        "channel_multiple": args["channel_multiple"] if args["gamma_w"] < 1 else 1,
+        "kept_blocks": None if kept is None or all(map(all, kept)) else kept,
+        "input_size": list(input_size),
+        "counter": [MACS_COUNTER_VERSION, version("fvcore"), torch.__version__, __version__, _code_digest()],
+    }
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of the code the figures come from (the zoo's model files and this counter), so
+    that an edited model never meets a figure cached for the old one."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in [*sorted((here / "models").glob("*.py")), Path(__file__)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def tier_macs(signature: dict, build: Callable[[], nn.Module]) -> int:
+    """MACs of the module ``build()`` makes, whose :func:`macs_signature` is ``signature``:
+    read from the cache, else counted with fvcore (:func:`count_macs`) and cached.
+
+    An entry is a JSON file named by the hash of the signature holding the signature and the
+    count, written atomically; one that is unreadable, malformed or holds another signature is
+    ignored and rewritten. A cache that cannot be written only costs the speed-up."""
+    text = json.dumps(signature, sort_keys=True, default=repr)
+    path = cache_dir() / "macs" / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry["signature"] == json.loads(text) and type(entry["macs"]) is int and entry["macs"] >= 0:
+            return entry["macs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    macs = count_macs(build(), tuple(signature["input_size"]))
+    payload = json.dumps({"signature": json.loads(text), "macs": macs})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda p: p.write_text(payload))
+    except OSError:
+        pass
+    return macs
 
 
 def macs_by_module(model: nn.Module, input_size: tuple[int, ...], depth: int = 2) -> dict[str, int]:
@@ -121,17 +200,25 @@ def blocks_per_stage(ct: CompiledTier, depths: tuple[int, ...]) -> list[int]:
 
 def profile_tiers(compiled: CompiledSpec, latency_batch: int | None = None) -> list[TierProfile]:
     """Parameters, MACs (and, with ``latency_batch``, median latency) of every tier; a
-    ``latency_batch`` that cannot fit in memory is a ``ValueError`` before any work."""
-    full = compiled.create_global_model()
+    ``latency_batch`` that cannot fit in memory is a ``ValueError`` before any work.
+
+    Parameters are counted on shape-only (meta-device) modules and MACs come from
+    :func:`tier_macs`, so only uncached counts and latencies build real modules."""
+    spec, size = compiled.spec, compiled.input_size
+    with torch.device("meta"):
+        full_meta = compiled.create_global_model()
+    full_params = count_params(full_meta)
+    full_macs = tier_macs(macs_signature(spec, None, size), compiled.create_global_model)
+    full = None
     if latency_batch:
-        check_batch_fits(full, compiled.input_size, latency_batch)
-    full_params, full_macs = count_params(full), count_macs(full, compiled.input_size)
-    full_latency = measure_latency_ms(full, compiled.input_size, latency_batch) if latency_batch else None
-    depths = full.stage_depths
+        full = compiled.create_global_model()
+        check_batch_fits(full, size, latency_batch)
+    full_latency = measure_latency_ms(full, size, latency_batch) if latency_batch else None
     out = []
     for ct in compiled.tiers.values():
-        model = ct.build()
-        params, macs = count_params(model), count_macs(model, compiled.input_size)
+        with torch.device("meta"):
+            params = count_params(ct.build())
+        macs = tier_macs(macs_signature(spec, ct.tier, size), ct.build)
         prof = TierProfile(
             name=ct.name,
             gamma=ct.tier.gamma,
@@ -140,10 +227,10 @@ def profile_tiers(compiled: CompiledSpec, latency_batch: int | None = None) -> l
             params_ratio=params / full_params,
             macs=macs,
             macs_ratio=macs / full_macs,
-            blocks_per_stage=blocks_per_stage(ct, depths),
+            blocks_per_stage=blocks_per_stage(ct, full_meta.stage_depths),
         )
         if latency_batch:
-            prof.latency_ms = measure_latency_ms(model, compiled.input_size, latency_batch)
+            prof.latency_ms = measure_latency_ms(ct.build(), size, latency_batch)
             prof.latency_ratio = prof.latency_ms / full_latency
         out.append(prof)
     return out

@@ -1,9 +1,11 @@
 """Declarative submodel specs: pydantic models, YAML loading and errors that name the field.
 
 A spec names a zoo model and its tiers. Each tier has a width parameter ratio ``gamma_w``
-(channels become ``ceil(C * sqrt(gamma_w))``) and per-block step sizes ``steps`` (one list per
-stage, one entry per block, 0 = block removed). ``inconsistent`` lists the parameter kinds kept
-per tier (``steps``, ``norm``); the rest are shared by all tiers.
+(channels become ``ceil(C * sqrt(gamma_w))``; with ``channel_multiple`` m > 1, set for the spec
+or per tier, ``C * sqrt(gamma_w)`` rounded to the nearest multiple of m, not below 90% of it, at
+most C) and per-block step sizes ``steps`` (one list per stage, one entry per block, 0 = block
+removed). ``inconsistent`` lists the parameter kinds kept per tier (``steps``, ``norm``); the
+rest are shared by all tiers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .userfiles import FileError, field_error
 Inconsistent = Literal["steps", "norm"]
 UNKNOWN_KEY = "unknown key (check the spelling; `nefl-zoo schema` lists the keys)"
 MAX_PARAMS = 4_000_000_000  # 16 GB of float32 weights: ten times the zoo's largest model at any size
-PER_TIER_ARGS = ("gamma_w", "steps")  # set on each tier, never in model_args
+PER_TIER_ARGS = ("gamma_w", "steps", "channel_multiple")  # set per tier or spec, never in model_args
 
 
 class SpecError(FileError):
@@ -34,6 +36,9 @@ class TierSpec(BaseModel):
 
     name: str = Field(min_length=1, description="unique tier name, e.g. g0.2")
     gamma_w: float = Field(1.0, description="width parameter ratio in (0, 1]")
+    channel_multiple: int | None = Field(
+        None, ge=1, le=1024, description="overrides the spec's channel_multiple for this tier"
+    )
     steps: list[list[float]] | None = Field(
         None, description="one list per stage, one initial step size per block; 0 = skip"
     )
@@ -55,6 +60,11 @@ class SubmodelSpec(BaseModel):
 
     model: str = Field(description="registered zoo model, see `nefl-zoo models`")
     model_args: dict[str, Any] = Field(default_factory=dict, description="create_model kwargs")
+    channel_multiple: int = Field(
+        1, ge=1, le=1024,
+        description="round every scaled width to a multiple of this (1: the paper's ceil(C*sqrt(gamma_w)); "
+        "8: hardware-aligned; see nefl_zoo.models.base.scale_width)",
+    )
     tiers: list[TierSpec] = Field(min_length=1)
     inconsistent: list[Inconsistent] = Field(
         default_factory=lambda: ["steps", "norm"],
@@ -119,6 +129,11 @@ class SubmodelSpec(BaseModel):
             if tier.name == name:
                 return tier
         raise KeyError(f"no tier {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+
+    def tier_args(self, tier: TierSpec) -> dict[str, Any]:
+        """The per-tier ``create_model`` arguments of ``tier``: width ratio, channel multiple, steps."""
+        multiple = self.channel_multiple if tier.channel_multiple is None else tier.channel_multiple
+        return {"gamma_w": tier.gamma_w, "channel_multiple": multiple, "steps": tier.steps}
 
     @property
     def full_tier(self) -> TierSpec:

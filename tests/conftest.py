@@ -6,6 +6,14 @@ from nefl_zoo.spec import parse_spec
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _macs_cache(tmp_path_factory):
+    """The MACs cache of the whole run in a temporary folder, never the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEFL_ZOO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -104,3 +104,103 @@ def test_width_ratio_is_a_parameter_ratio_against_the_full_model():
     spec = SubmodelSpec(model="resnet20", tiers=[{"name": "only", "gamma_w": 0.5}])
     (p,) = profile_tiers(compile_spec(spec))
     assert 0.5 <= p.params_ratio < 0.55  # against the full model, not the largest tier
+
+
+# ---- the MACs cache (issue 11): fvcore's figures, keyed by everything that changes them ----
+from nefl_zoo import profile as prof  # noqa: E402
+from nefl_zoo.spec import load_spec, shipped_specs_dir  # noqa: E402
+
+
+
+def _no_fvcore(*args):
+    raise AssertionError("fvcore traced although the cache holds the figure")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(prof.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache" / "macs"
+
+
+@pytest.mark.parametrize("name", ["resnet56/nefl-wd-aligned", "vit"])
+def test_cached_macs_are_fvcores(name, cache, monkeypatch, vit_spec):
+    """A cold profile counts with fvcore (checked against the independent hook count for
+    ResNets, by hand for the ViT above); a warm one returns the same figures without tracing."""
+    spec = vit_spec if name == "vit" else load_spec(shipped_specs_dir() / f"{name}.yaml")
+    if len(spec.tiers) > 3:  # g0.2, g0.4 and g1: three fvcore traces keep it quick
+        spec = spec.model_copy(update={"tiers": spec.tiers[:2] + spec.tiers[-1:]})
+    compiled = compile_spec(spec)
+    cold = profile_tiers(compiled)
+    if spec.model.startswith("resnet"):
+        for ct, p in zip(compiled.tiers.values(), cold):
+            assert p.macs == expected_macs(ct.build(), compiled.input_size), ct.name
+    assert len(list(cache.iterdir())) == len(compiled.tiers)  # the full tier is the full model
+    monkeypatch.setattr(prof, "count_macs", _no_fvcore)
+    assert [p.macs for p in profile_tiers(compiled)] == [p.macs for p in cold]
+
+
+def test_macs_cache_key_changes_with_the_signature_and_never_crosses_models(cache, monkeypatch):
+    tier = {"name": "t", "gamma_w": 0.5, "steps": [[1, 1, 0], [1, 1, 1], [1, 1, 1]]}
+    base = {"model": "resnet20", "tiers": [tier]}
+    variants = {
+        "base": base,
+        "model": {"model": "resnet32", "tiers": [{"name": "t", "gamma_w": 0.5}]},
+        "model_args": base | {"model_args": {"num_classes": 100}},
+        "gamma_w": base | {"tiers": [tier | {"gamma_w": 0.6}]},
+        "channel_multiple": base | {"channel_multiple": 8},
+        "kept": base | {"tiers": [tier | {"steps": [[1, 1, 1], [1, 1, 1], [1, 1, 0]]}]},
+    }
+    seen = {}
+    for label, spec in variants.items():
+        spec = SubmodelSpec.model_validate(spec)
+        ct = compile_spec(spec)["t"]
+        sig = prof.macs_signature(spec, ct.tier, (3, 32, 32))
+        macs = prof.tier_macs(sig, ct.build)
+        assert macs == expected_macs(ct.build(), (3, 32, 32)), label
+        seen[label] = macs
+    assert len(list(cache.iterdir())) == len(variants)  # one entry per signature
+    assert len(set(seen.values())) == len(variants)  # ... each with its own figure
+    # a larger input or another counter version is another entry
+    base = SubmodelSpec.model_validate(base)
+    ct = compile_spec(base)["t"]
+    sig = prof.macs_signature(base, ct.tier, (3, 32, 32))
+    bigger = prof.tier_macs(prof.macs_signature(base, ct.tier, (3, 64, 64)), ct.build)
+    assert bigger > seen["base"] and len(list(cache.iterdir())) == len(variants) + 1
+    monkeypatch.setattr(prof, "_code_digest", lambda: "edited models")
+    edited = prof.macs_signature(base, ct.tier, (3, 32, 32))
+    assert edited != sig
+    monkeypatch.setattr(prof, "MACS_COUNTER_VERSION", prof.MACS_COUNTER_VERSION + 1)
+    assert prof.macs_signature(base, ct.tier, (3, 32, 32)) not in (sig, edited)
+
+
+def test_a_corrupt_or_foreign_cache_entry_is_recounted(cache, monkeypatch):
+    spec = SubmodelSpec(model="resnet20", tiers=[{"name": "t", "gamma_w": 0.25}])
+    ct = compile_spec(spec)["t"]
+    sig = prof.macs_signature(spec, ct.tier, (3, 32, 32))
+    true = prof.tier_macs(sig, ct.build)
+    (entry,) = cache.iterdir()
+    other = prof.macs_signature(spec, None, (3, 32, 32))
+    for text in ("{not json", '{"macs": 5}', json.dumps({"signature": other, "macs": 5}),
+                 json.dumps({"signature": json.loads(entry.read_text())["signature"], "macs": "5"})):
+        entry.write_text(text)
+        assert prof.tier_macs(sig, ct.build) == true
+        assert json.loads(entry.read_text())["macs"] == true  # rewritten
+    monkeypatch.setattr(prof, "count_macs", _no_fvcore)
+    assert prof.tier_macs(sig, ct.build) == true  # and trusted again once whole
+
+
+def test_an_unwritable_cache_only_costs_the_speed_up(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(prof.CACHE_ENV, str(blocker))  # a file where the folder should be
+    spec = SubmodelSpec(model="resnet20", tiers=[{"name": "t"}])
+    ct = compile_spec(spec)["t"]
+    assert prof.tier_macs(prof.macs_signature(spec, ct.tier, (3, 32, 32)), ct.build) == expected_macs(ct.build(), (3, 32, 32))
+
+
+def test_cache_dir_honours_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(prof.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert prof.cache_dir() == tmp_path / "nefl-zoo"
+    monkeypatch.setenv(prof.CACHE_ENV, str(tmp_path / "mine"))
+    assert prof.cache_dir() == tmp_path / "mine"

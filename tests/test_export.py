@@ -254,3 +254,105 @@ def test_run_dir_problems_are_one_line_errors(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"acc": {"full": 0.5}}\n{oops\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2: not valid JSON"):
         load_run_dir(tmp_path)
+
+
+# ---- the parity threshold, just above and just below (issue 13) ------------------------------
+class FixedOutput:
+    """Stands in for an onnxruntime session whose output is a given array."""
+
+    def __init__(self, output):
+        self.output = output
+        self.feeds = []
+
+    def run(self, names, feed):
+        self.feeds.append(feed)
+        return [self.output]
+
+
+@pytest.mark.parametrize(
+    "largest, off, passes",
+    [
+        (0.5, 0.99e-4, True), (0.5, 1.01e-4, False),  # |logits| <= 1: an absolute 1e-4
+        (1.0, 0.99e-4, True), (1.0, 1.01e-4, False),
+        (-2000.0, 0.199, True), (-2000.0, 0.201, False),  # else 1e-4 x max |logit|
+        (3.0, 2.99e-4, True), (3.0, 3.01e-4, False),
+    ],
+)
+def test_parity_threshold_is_1e_4_times_the_largest_logit(largest, off, passes):
+    reference = torch.tensor([[0.25, largest, -0.5], [0.0, 0.1, 0.2]], dtype=torch.float64)
+    deviating = reference.clone()
+    deviating[1, 2] += off
+    x = torch.zeros(2, 3, 4, 4)
+    session = FixedOutput(deviating.numpy())
+    assert verify.max_abs_diff(deviating, reference) == pytest.approx(off, rel=1e-9)
+    assert verify.same_output(lambda _: deviating, x, reference) is passes
+    if passes:
+        assert verify.check_parity("t", session, x, reference) == pytest.approx(off, rel=1e-9)
+    else:
+        tolerance = 1e-4 * max(1.0, abs(largest))
+        import re
+
+        message = f"tier t: onnxruntime vs PyTorch max abs diff {off:.3g} > {tolerance:.3g} (1e-4 x max(1, max |logit| = {abs(largest):.3g}))"
+        with pytest.raises(ExportError, match=f"^{re.escape(message)}$"):
+            verify.check_parity("t", session, x, reference)
+    assert list(session.feeds[0]) == ["input"] and session.feeds[0]["input"].shape == (2, 3, 4, 4)
+
+
+def test_parity_refuses_nan_outputs():
+    reference = torch.zeros(1, 3, dtype=torch.float64)
+    with pytest.raises(ExportError, match="max abs diff nan"):
+        verify.check_parity("t", FixedOutput(np.full((1, 3), np.nan)), torch.zeros(1, 3, 4, 4), reference)
+
+
+def tiny_onnx(opset=17, external=False):
+    """A one-node ONNX model (input + a 2-element initializer), by hand."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")
+    if external:
+        weight.data_location = TensorProto.EXTERNAL
+        weight.external_data.add(key="location", value="w.bin")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["input", "w"], ["logits"])], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, 2])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 2])], [weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.example", 1)],
+                             ir_version=8)
+
+
+def test_check_single_file_reads_the_opset_and_refuses_external_data():
+    assert verify.check_single_file("t", tiny_onnx(17), None) == 17
+    assert verify.check_single_file("t", tiny_onnx(18), 18) == 18
+    with pytest.raises(ExportError, match=r"^tier t: asked for opset 18, the exporter wrote 17$"):
+        verify.check_single_file("t", tiny_onnx(17), 18)
+    with pytest.raises(ExportError, match=r"^tier t: the exporter wrote external data; expected one file$"):
+        verify.check_single_file("t", tiny_onnx(17, external=True), None)
+
+
+def test_hashed_session_hashes_and_runs_the_same_bytes():
+    import hashlib
+
+    data = tiny_onnx(17).SerializeToString()
+    digest, session = verify.hashed_session(data, "tiny.onnx", threads=1)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert session.get_session_options().intra_op_num_threads == 1
+    out = session.run(None, {"input": np.array([[1.0, -1.0]], np.float32)})[0]
+    assert out.tolist() == [[2.0, 1.0]]
+    assert verify.tolerance_for(torch.tensor([[-3.0, 2.0]])) == pytest.approx(3e-4)
+    assert verify.tolerance_for(torch.tensor([[0.5, -0.25]])) == pytest.approx(1e-4)
+
+
+def test_parity_at_exactly_the_tolerance_passes():
+    reference = torch.tensor([[0.5, 0.0]], dtype=torch.float64)
+    at_bound = np.array([[0.5, 1e-4]])  # max abs diff == 1e-4 x max(1, 0.5), exactly
+    assert verify.check_parity("t", FixedOutput(at_bound), torch.zeros(1, 3, 4, 4), reference) == 1e-4
+
+
+def test_the_opset_may_be_declared_as_ai_onnx_and_bad_bytes_name_their_source():
+    from nefl_zoo.manifest import ManifestError
+
+    model = tiny_onnx(17)
+    model.opset_import[0].domain = "ai.onnx"  # the default domain's other name
+    assert verify.check_single_file("t", model, 17) == 17
+    with pytest.raises(ManifestError, match=r"^tiny.onnx: onnxruntime cannot load the model"):
+        verify.hashed_session(b"not a model", "tiny.onnx", threads=1)

@@ -156,3 +156,85 @@ def test_compiled_spec_exposes_the_full_models_contract(resnet20_spec, vit_spec)
 def test_unknown_tier_is_a_clear_error(resnet20_spec):
     with pytest.raises(KeyError, match="no tier 'huge'; tiers: small, medium, full"):
         compile_spec(resnet20_spec)["huge"]
+
+
+# ---- slice maps by hand: every bound of SliceEntry.fits, mixed index regions (issue 13) ----
+from nefl_zoo.slim import SliceEntry, SliceMap, tier_key  # noqa: E402
+
+
+def entry(index, shape, key="w", kind="weight"):
+    return SliceEntry(key, index, shape, kind, True)
+
+
+@pytest.mark.parametrize(
+    "index, shape, fits",
+    [
+        ((slice(0, 4), slice(0, 3)), (4, 3), True),  # the whole tensor
+        ((slice(1, 4), slice(2, 3)), (3, 1), True),  # an inner region touching the far edges
+        ((slice(0, 5), slice(0, 3)), (5, 3), False),  # stop past the end of dimension 0
+        ((slice(0, 4), slice(1, 4)), (4, 3), False),  # stop past the end of dimension 1
+        ((slice(-1, 3), slice(0, 3)), (4, 3), False),  # negative start
+        ((slice(0, 3), slice(0, 3)), (2, 3), False),  # region longer than the entry's shape
+        ((slice(0, 2), slice(0, 3)), (3, 3), False),  # region shorter than the entry's shape
+        ((torch.tensor([0, 3]), slice(0, 3)), (2, 3), True),
+        ((torch.tensor([0, 4]), slice(0, 3)), (2, 3), False),  # index past the end
+        ((torch.tensor([-1, 2]), slice(0, 3)), (2, 3), False),  # negative index
+        ((torch.tensor([0, 1, 2]), slice(0, 3)), (2, 3), False),  # more indices than the shape
+        ((slice(0, 4),), (4,), False),  # fewer dimensions than the tensor
+        ((slice(0, 4), slice(0, 3), slice(0, 1)), (4, 3, 1), False),  # more dimensions
+        ((), (4, 3), True),  # () = the whole tensor, of the same shape
+        ((), (3, 4), False),
+        ((), (4,), False),
+    ],
+)
+def test_slice_entry_fits_checks_every_bound(index, shape, fits):
+    assert entry(index, shape).fits(torch.Size([4, 3])) is fits
+    slice_map = SliceMap({"sub": entry(index, shape)})
+    if fits:
+        slice_map.check({"w": torch.Size([4, 3])})
+    else:
+        with pytest.raises(ValueError, match=r"^sub: region .* does not fit \(4, 3\)$"):
+            slice_map.check({"w": torch.Size([4, 3])})
+
+
+def test_slice_map_check_names_a_missing_global_key():
+    with pytest.raises(ValueError, match=r"^sub: global key 'w' does not exist$"):
+        SliceMap({"sub": entry((), (4, 3))}).check({"v": torch.Size([4, 3])})
+
+
+def test_slice_map_by_hand_gather_scatter_add_and_counts():
+    """Regions written out element by element: a prefix slice, and an index tensor crossed with
+    a slice (the ViT-head case), on a 4x5 tensor."""
+    glob = {"w": torch.arange(20.0).view(4, 5), "b@t": torch.arange(3, dtype=torch.long)}
+    slice_map = SliceMap({
+        "prefix": SliceEntry("w", (slice(1, 3), slice(0, 2)), (2, 2), "weight", True),
+        "heads": SliceEntry("w", (torch.tensor([0, 3]), slice(2, 5)), (2, 3), "norm", True),
+        "steps": SliceEntry("b@t", (), (3,), "steps", False),
+    })
+    assert len(slice_map) == 3 and list(slice_map) == ["prefix", "heads", "steps"]
+    assert [slice_map[k].numel for k in slice_map] == [4, 6, 3]
+    assert slice_map.numel() == 13 and slice_map.numel(("weight", "steps")) == 7 and slice_map.numel(("norm",)) == 6
+    sub = slice_map.extract(glob)
+    assert sub["prefix"].tolist() == [[5.0, 6.0], [10.0, 11.0]]
+    assert sub["heads"].tolist() == [[2.0, 3.0, 4.0], [17.0, 18.0, 19.0]]
+    assert sub["steps"].tolist() == [0, 1, 2]
+    sub["prefix"].fill_(-1.0)  # extract returns copies: the global state is untouched
+    assert glob["w"][1, 0] == 5.0
+    new = {"prefix": torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64),
+           "heads": torch.full((2, 3), 9.0), "steps": torch.tensor([7, 8, 9])}
+    slice_map.scatter_(glob, new)
+    assert glob["w"].dtype == torch.float32 and glob["b@t"].tolist() == [7, 8, 9]
+    assert glob["w"].tolist() == [
+        [0.0, 1.0, 9.0, 9.0, 9.0],
+        [1.0, 2.0, 7.0, 8.0, 9.0],
+        [3.0, 4.0, 12.0, 13.0, 14.0],
+        [15.0, 16.0, 9.0, 9.0, 9.0],
+    ]
+    counts = torch.ones(4, 5)  # add_ adds to what is there
+    slice_map["heads"].add_(counts, 2.0)
+    slice_map["prefix"].add_(counts, torch.ones(2, 2))
+    slice_map["prefix"].add_(counts, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert counts.tolist() == [[1, 1, 3, 3, 3], [3, 4, 1, 1, 1], [5, 6, 1, 1, 1], [1, 1, 3, 3, 3]]
+    assert tier_key("layer1.0.step", "g0.5") == "layer1.0.step@g0.5"
+    assert split_tier_key("layer1.0.step@g0.5") == ("layer1.0.step", "g0.5")
+    assert split_tier_key("fc.weight") == ("fc.weight", None)

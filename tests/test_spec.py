@@ -85,7 +85,7 @@ def test_depth_need_not_be_nested_across_tiers():
 def test_json_schema_describes_tiers():
     schema = json_schema()
     json.dumps(schema)
-    assert set(schema["properties"]) == {"model", "model_args", "tiers", "inconsistent"}
+    assert set(schema["properties"]) == {"model", "model_args", "channel_multiple", "tiers", "inconsistent"}
     assert "gamma_w" in schema["$defs"]["TierSpec"]["properties"]
 
 

@@ -2,7 +2,9 @@
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
 the one file; :func:`activation_bytes_per_sample` reads the largest working set from ONNX
-shape inference; :func:`machine_description` names where latencies are measured.
+shape inference; :func:`machine_description` names where latencies are measured and
+:func:`cpu_channel_block` the channel block its CPU kernels prefer; :func:`onnx_latency_ms`
+times a module as export would write it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -18,7 +21,9 @@ import torch
 from torch import nn
 
 from ..manifest import Machine
-from ..runtime import CPU_PROVIDER
+from ..runtime import CPU_PROVIDER, session_from_bytes
+from ..timing import median_ms
+from .surgery import fold_batchnorm
 
 MIN_OPSET = 18  # the torch.export-based exporter writes nothing older
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
@@ -49,6 +54,17 @@ def write_onnx(
     )
 
 
+def onnx_latency_ms(module: nn.Module, input_size: tuple[int, ...], batch: int, threads: int | None, runs: int) -> float:
+    """Median onnxruntime latency (ms) on this machine of ``module`` as export writes it
+    (BatchNorm folded, here with a fixed ``batch``), after two warm-up runs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "candidate.onnx"
+        write_onnx(fold_batchnorm(module.eval()), path, input_size, batch, False, None)
+        session = session_from_bytes(path.read_bytes(), str(path), threads=threads)
+    feed = {INPUT_NAME: torch.randn(batch, *input_size).numpy()}
+    return median_ms(lambda: session.run(None, feed), runs, warmup=2)
+
+
 def activation_bytes_per_sample(model: onnx.ModelProto) -> int:
     """Largest single-node working set (its activation inputs plus outputs, weights excluded)
     for one sample, from ONNX shape inference (symbolic dimensions counted as 1)."""
@@ -69,6 +85,16 @@ def activation_bytes_per_sample(model: onnx.ModelProto) -> int:
         sum(sizes.get(name, 0) for name in [*node.input, *node.output] if name not in weights)
         for node in graph.node
     )
+
+
+def cpu_channel_block() -> int:
+    """Channel block of onnxruntime's NCHWc CPU convolutions on this machine: 16 with AVX-512,
+    else 8 (what ``--pad-channels auto`` pads to)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return 8
+    return 16 if re.search(r"\bavx512f\b", cpuinfo) else 8
 
 
 def machine_description() -> Machine:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 import onnx
 import torch
@@ -33,6 +34,7 @@ from .onnx_file import (
     MIN_OPSET,
     OUTPUT_NAME,
     activation_bytes_per_sample,
+    cpu_channel_block,
     machine_description,
     tier_filename,
     write_onnx,
@@ -51,7 +53,7 @@ class _TierOptions:
     batch: int
     latency_runs: int
     threads: int | None
-    channel_align: int
+    channel_align: int | Literal["auto"]
     machine: Machine
 
 
@@ -66,37 +68,79 @@ class _ExportedTier:
     max_abs_diff: float
     activation_bytes_per_sample: int
     latency: Latency
+    channel_align: int
+    channel_align_ms: dict[str, float] | None
+
+
+def _alignments(module: nn.Module, channel_align: int | Literal["auto"]) -> dict[int, nn.Module]:
+    """The variants of ``module`` to export, by channel alignment: the one asked for, or with
+    ``auto`` the plain module and, where padding changes a width, the one padded to
+    :func:`cpu_channel_block` (modules :func:`pad_channels` cannot pad stay plain)."""
+    if channel_align == 1:
+        return {1: module}
+    if channel_align != "auto":
+        return {channel_align: pad_channels(module, channel_align)}
+    block = cpu_channel_block()
+    try:
+        padded = pad_channels(module, block)
+    except ValueError:
+        return {1: module}
+    shapes = [t.shape for t in module.state_dict().values()]
+    same = shapes == [t.shape for t in padded.state_dict().values()]
+    return {1: module} if same else {1: module, block: padded}
 
 
 def _export_tier(
     name: str, module: nn.Module, input_size: tuple[int, ...], path: Path, options: _TierOptions, generator: torch.Generator
 ) -> _ExportedTier:
-    """Fold, pad, export, check against ``module`` with onnxruntime and time one tier."""
+    """Fold, pad, export, check against ``module`` with onnxruntime and time one tier; with
+    ``channel_align="auto"`` both alignments are exported and timed, interleaved, and the
+    faster file is kept at ``path``."""
     x = torch.randn(options.batch + 1 if options.batch_dynamic else options.batch, *input_size, generator=generator)
     with torch.no_grad():
         reference = module(x)
         folded = fold_batchnorm(module)
         batchnorm_folded = folded is not module and same_output(folded, x, reference)
     optimized = folded if batchnorm_folded else module
-    if options.channel_align > 1:
-        optimized = pad_channels(optimized, options.channel_align)
     example_batch = max(2, options.batch) if options.batch_dynamic else options.batch
-    write_onnx(optimized, path, input_size, example_batch, options.batch_dynamic, options.opset)
-
-    data = path.read_bytes()  # read once: these bytes are checked, hashed and verified
-    model = onnx.load_model_from_string(data)
-    opset = check_single_file(name, model, options.opset)
-    sha256, session = hashed_session(data, str(path), options.threads)
-    diff = check_parity(name, session, x, reference)
+    variants = {}
+    for align, variant in _alignments(optimized, options.channel_align).items():
+        file = path if align == 1 or options.channel_align != "auto" else path.with_name(f"{path.stem}.align{align}.onnx")
+        write_onnx(variant, file, input_size, example_batch, options.batch_dynamic, options.opset)
+        data = file.read_bytes()  # read once: these bytes are checked, hashed and verified
+        model = onnx.load_model_from_string(data)
+        opset = check_single_file(name, model, options.opset)
+        sha256, session = hashed_session(data, str(file), options.threads)
+        diff = check_parity(name, session, x, reference)
+        variants[align] = (file, model, opset, sha256, session, diff)
     feed = {INPUT_NAME: torch.randn(options.batch, *input_size, generator=generator).numpy()}
-    latency_ms = median_ms(lambda: session.run(None, feed), options.latency_runs, warmup=2)
+    runs = _interleaved_ms({a: v[4] for a, v in variants.items()}, feed, options.latency_runs)
+    align = min(runs, key=runs.get)
+    file, model, opset, sha256, _, diff = variants[align]
+    for other, (other_file, *_) in variants.items():
+        if other != align and other_file != path:
+            other_file.unlink()
+    os.replace(file, path)  # the kept file under the tier's name
     latency = Latency(
-        median_ms=latency_ms, batch=options.batch, runs=options.latency_runs, threads=options.threads,
+        median_ms=runs[align], batch=options.batch, runs=options.latency_runs, threads=options.threads,
         machine=options.machine,
     )
     return _ExportedTier(
-        sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency
+        sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
+        align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None,
     )
+
+
+def _interleaved_ms(sessions: dict, feed: dict, runs: int) -> dict:
+    """Median ms of each session over ``runs`` rounds that run every session once in turn (two
+    warm-up rounds first), so a change of machine load hits all of them alike."""
+    times = {key: [] for key in sessions}
+    for round_ in range(runs + 2):
+        for key, session in sessions.items():
+            ms = median_ms(lambda: session.run(None, feed), 1, warmup=0)
+            if round_ >= 2:
+                times[key].append(ms)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def export_tiers(
@@ -110,7 +154,7 @@ def export_tiers(
     dataset: str | None = None,
     latency_runs: int = 20,
     threads: int | None = None,
-    channel_align: int = 1,
+    channel_align: int | Literal["auto"] = 1,
 ) -> Manifest:
     """Export, verify and time the ``tiers`` (default: all) of ``source`` into ``out_dir``.
 
@@ -123,7 +167,9 @@ def export_tiers(
         threads: onnxruntime intra-op threads for the latency (default: one per core).
         channel_align: above 1, inner channel counts are zero-padded to a multiple of it
             (:func:`pad_channels`): same outputs, faster CPU kernels for odd widths, larger
-            files; the manifest's params and MACs stay the tier's own.
+            files; the manifest's params and MACs stay the tier's own. ``"auto"``: each tier
+            is exported plain and padded to :func:`cpu_channel_block`, both are timed
+            (interleaved) and the faster is kept; the manifest records both latencies.
 
     Files are written to a staging directory and moved into place only when every tier
     passed, the manifest last (via a temporary file), so a failed export never leaves a
@@ -139,8 +185,8 @@ def export_tiers(
     files = {name: tier_filename(name) for name in names}
     if len(set(files.values())) != len(files):
         raise ValueError(f"tiers {names} map to clashing file names {sorted(files.values())}")
-    if batch < 1 or channel_align < 1:
-        raise ValueError(f"batch and channel_align must be >= 1, got {batch} and {channel_align}")
+    if batch < 1 or not (channel_align == "auto" or (isinstance(channel_align, int) and channel_align >= 1)):
+        raise ValueError(f"batch must be >= 1 and channel_align >= 1 or 'auto', got {batch} and {channel_align!r}")
     if opset is not None and opset < MIN_OPSET:
         raise ValueError(f"opset: the torch.export-based exporter writes opset {MIN_OPSET} or later, got {opset}")
 
@@ -173,7 +219,8 @@ def export_tiers(
                     blocks_per_stage=prof.blocks_per_stage,
                     accuracy=source.accuracy.get(name),
                     batchnorm_folded=exported.batchnorm_folded,
-                    channel_align=channel_align,
+                    channel_align=exported.channel_align,
+                    channel_align_ms=exported.channel_align_ms,
                     max_abs_diff=exported.max_abs_diff,
                     weights_mb=path.stat().st_size / 2**20,
                     activation_mb_per_sample=exported.activation_bytes_per_sample / 2**20,

@@ -38,8 +38,8 @@ class ModelArgsError(ValueError):
 class ModelArgs(BaseModel):
     """Base of a family's arguments: unknown keys are errors and numbers must be finite.
 
-    Every family takes ``num_classes``, ``in_chans``, ``gamma_w`` and ``steps``; subclasses
-    add their own (with the entry point's defaults, so that checks across arguments see the
+    Every family takes ``num_classes``, ``in_chans``, ``gamma_w``, ``channel_multiple`` and
+    ``steps``; subclasses add their own (with the entry point's defaults, so that checks across arguments see the
     values the constructor will use).
     """
 
@@ -48,6 +48,9 @@ class ModelArgs(BaseModel):
     num_classes: Classes = 10
     in_chans: Channels = 3
     gamma_w: WidthRatio = 1.0
+    channel_multiple: StrictInt = Field(
+        1, ge=1, le=MAX_CHANNELS, description="round scaled widths to a multiple of this (1: the paper's ceil rule)"
+    )
     steps: Sequence[Sequence[Step]] | None = Field(None, description="one list per stage, one step per block")
 
 

@@ -23,9 +23,22 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def scale_width(channels: int, gamma_w: float) -> int:
-    """Channels kept for a parameter ratio ``gamma_w``: ``ceil(C * sqrt(gamma_w))``."""
-    return max(1, math.ceil(channels * math.sqrt(gamma_w) - 1e-9))
+def scale_width(channels: int, gamma_w: float, multiple: int = 1) -> int:
+    """Channels kept of a layer of ``channels`` for a parameter ratio ``gamma_w``.
+
+    ``multiple`` 1 is the NeFL paper's rule, ``ceil(C * sqrt(gamma_w))``. Above 1 the width
+    ``C * sqrt(gamma_w)`` is rounded to the nearest multiple of ``multiple`` (at least one
+    multiple), raised by one multiple if that is below 90% of it, and capped at ``C`` (timm's and
+    MobileNet's ``make_divisible``); ``gamma_w`` 1 keeps all ``C``. Both rules grow with
+    ``gamma_w``, so a narrower tier's channels stay a prefix of a wider tier's.
+    """
+    exact = channels * math.sqrt(gamma_w)
+    if multiple == 1 or gamma_w >= 1:
+        return max(1, math.ceil(exact - 1e-9))
+    width = max(multiple, int(exact + multiple / 2) // multiple * multiple)
+    if width < 0.9 * exact:
+        width += multiple
+    return min(channels, width)
 
 
 def resolve_steps(steps: Steps | None, depths: Sequence[int]) -> list[list[float]]:

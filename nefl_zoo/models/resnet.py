@@ -100,6 +100,8 @@ class ResNet(NestedNet):
             or ``imagenet`` (7x7 stride 2 + max-pool, torchvision's).
         width_multiplier: bottleneck inner width factor (2 for Wide-ResNets).
         gamma_w: width parameter ratio; every width becomes ``ceil(C * sqrt(gamma_w))``.
+        channel_multiple: above 1, widths are rounded to a multiple of it instead
+            (:func:`~nefl_zoo.models.base.scale_width`).
         steps: per-stage lists of initial step sizes, 0 removes the block.
     """
 
@@ -115,6 +117,7 @@ class ResNet(NestedNet):
         gamma_w: float = 1.0,
         steps: Steps | None = None,
         img_size: int | None = None,
+        channel_multiple: int = 1,
     ):
         super().__init__()
         if stem not in ("cifar", "nefl", "imagenet"):
@@ -127,7 +130,7 @@ class ResNet(NestedNet):
         steps = resolve_steps(steps, layers)
         block_cls, expansion = (BasicBlock, 1) if block == "basic" else (Bottleneck, 4)
 
-        stem_width = scale_width(planes[0], gamma_w)
+        stem_width = scale_width(planes[0], gamma_w, channel_multiple)
         k, stride = (7, 2) if stem == "imagenet" else (3, 1)
         self.conv1 = nn.Conv2d(in_chans, stem_width, k, stride=stride, padding=k // 2, bias=False)
         self.bn1 = nn.BatchNorm2d(stem_width)
@@ -138,8 +141,8 @@ class ResNet(NestedNet):
         stem_reduction = {"cifar": 1, "nefl": 2, "imagenet": 4}[stem]
         self.feature_info = []
         for i, (p, stage_steps) in enumerate(zip(planes, steps)):
-            width = scale_width(p * width_multiplier, gamma_w)
-            cout = scale_width(p * expansion, gamma_w)
+            width = scale_width(p * width_multiplier, gamma_w, channel_multiple)
+            cout = scale_width(p * expansion, gamma_w, channel_multiple)
             full_in = planes[0] if i == 0 else planes[i - 1] * expansion
             # torchvision's names: blocks keyed by their index in the full stage, gaps where removed
             blocks = OrderedDict()

@@ -4,7 +4,8 @@ Parameter names follow timm (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
 ``blocks.{i}.norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2``, ``norm``, ``head``) plus
 ``blocks.{i}.step_attn`` and ``blocks.{i}.step_mlp``. Width scaling narrows the embedding
 dimension, every head (all heads are kept, each to its first ``ceil(head_dim * sqrt(gamma_w))``
-dimensions, with q, k and v sliced separately) and the MLP hidden layer. The encoder is one
+dimensions, with q, k and v sliced separately) and the MLP hidden layer; ``channel_multiple``
+rounds each of these widths as for the ResNets. The encoder is one
 stage (``blocks``), whose output the final ``norm`` turns into the features.
 """
 
@@ -137,6 +138,7 @@ class VisionTransformer(NestedNet):
         mlp_ratio: float = 4.0,
         gamma_w: float = 1.0,
         steps: Steps | None = None,
+        channel_multiple: int = 1,
     ):
         super().__init__()
         if embed_dim % num_heads:
@@ -149,11 +151,11 @@ class VisionTransformer(NestedNet):
         }
         self.full_head_dim = embed_dim // num_heads
         (stage_steps,) = resolve_steps(steps, (depth,))
-        dim = scale_width(embed_dim, gamma_w)
+        dim = scale_width(embed_dim, gamma_w, channel_multiple)
         self.num_features = dim
         self.feature_info = [{"module": "blocks", "num_chs": dim, "reduction": patch_size}]
-        head_dim = scale_width(self.full_head_dim, gamma_w)
-        hidden = scale_width(int(embed_dim * mlp_ratio), gamma_w)
+        head_dim = scale_width(self.full_head_dim, gamma_w, channel_multiple)
+        hidden = scale_width(int(embed_dim * mlp_ratio), gamma_w, channel_multiple)
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))

@@ -35,9 +35,7 @@ class CompiledTier:
 
     def build(self) -> nn.Module:
         """A freshly initialised slim module (step sizes frozen if not learnable)."""
-        model = create_model(
-            self.spec.model, **self.spec.model_args, gamma_w=self.tier.gamma_w, steps=self.tier.steps
-        )
+        model = create_model(self.spec.model, **self.spec.model_args, **self.spec.tier_args(self.tier))
         if not self.tier.learnable_steps:
             for name, p in model.named_parameters():
                 if self.slice_map[name].kind == "steps":
@@ -84,7 +82,7 @@ class CompiledSpec:
         self.tiers: dict[str, CompiledTier] = {}
         for tier in spec.tiers:
             with torch.device("meta"):
-                slim = create_model(spec.model, **spec.model_args, gamma_w=tier.gamma_w, steps=tier.steps)
+                slim = create_model(spec.model, **spec.model_args, **spec.tier_args(tier))
             entries = {}
             for key, value in slim.state_dict().items():
                 kind = self.kinds[key]
