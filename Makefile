@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,20 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/nefl-zoo build resnet110 --gamma 0.2
-	$(BIN)/nefl-zoo profile resnet110/nefl-wd
-	$(BIN)/nefl-zoo train specs/train/digits-quick.yaml --out runs/demo --overwrite
+	$(BIN)/nefl-zoo profile resnet110/nefl-wd-aligned
+	$(BIN)/nefl-zoo train specs/train/digits-aligned-quick.yaml --out runs/demo --overwrite
 	$(BIN)/nefl-zoo export runs/demo --out exports/demo
 	$(BIN)/nefl-zoo bench-tiers exports/demo --batch 1
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Mutation testing of the core (TESTING.md): each module of [tool.nefl-zoo.mutation] in
+# pyproject.toml against its own test files, one worker; slow, not part of `make test`.
+# `make mutation MODULES=nefl_zoo.fl.aggregate` runs one module.
+mutation: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/mutation.py $(MODULES)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_slim.py

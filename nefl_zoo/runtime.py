@@ -64,16 +64,18 @@ def read_tier(path: str | Path, sha256: str, root: str | Path | None = None) -> 
                 str(path), "", f"resolves to {resolved}, outside the manifest's folder {folder} (refused; re-export)"
             )
         path = resolved  # opened below without following a symlink swapped in since
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    # O_NONBLOCK: a FIFO in the tier's place is refused below instead of blocking the open
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         raise ManifestError(str(path), "", "tier file is missing (re-export the model)") from None
     except OSError as exc:
         raise ManifestError(str(path), "", f"cannot read the tier file ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise ManifestError(str(path), "", "not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ManifestError(str(path), "", "not a regular file")
         data = f.read(MAX_TIER_BYTES + 1)
     if len(data) > MAX_TIER_BYTES:
         raise ManifestError(str(path), "", "larger than 2 GiB, which no self-contained .onnx file is")

@@ -1,6 +1,8 @@
 """The torch-free tier runtime: sessions, integrity checks, manifest errors and selection."""
 
+import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +97,10 @@ def test_tampered_file_is_refused_before_loading(export_copy):
     (export_copy / "small.onnx").write_bytes(bytes(data))
     runtime = TierRuntime(export_copy)
     x = np.zeros((1, 3, 32, 32), np.float32)
-    with pytest.raises(ManifestError, match=r"small.onnx: sha256 [0-9a-f]{12}\.\.\. does not match the manifest's"):
+    actual = hashlib.sha256(bytes(data)).hexdigest()[:12]
+    expected = load_manifest(export_copy).tier("small").sha256[:12]
+    message = f"small.onnx: sha256 {actual}... does not match the manifest's {expected}... (the file was modified or corrupted; re-export it)"
+    with pytest.raises(ManifestError, match=f"{re.escape(message)}$"):
         runtime.run(x, "small")
     assert runtime.run(x, "full").shape == (1, 10)  # the other tier is intact
 
@@ -186,11 +191,6 @@ def test_select_reports_when_nothing_fits(export_copy):
     assert runtime.selection.tier == "b"  # a failed select leaves the previous choice
 
 
-def test_memory_estimate_is_weights_plus_activations_per_sample(exported):
-    tier = load_manifest(exported[2]).tier("full")
-    assert tier.memory_mb(4) == pytest.approx(tier.weights_mb + 4 * tier.activation_mb_per_sample)
-
-
 # ---- what is verified is what runs (issue 12, class 5) --------------------------------------
 def small_logits(exported, x):
     compiled, state, _ = exported
@@ -274,13 +274,40 @@ def test_inconsistent_manifest_is_refused_when_read(export_copy, edit, message):
 def test_manifest_that_contradicts_the_model_is_refused_at_load(export_copy, edit, message):
     edit_manifest(export_copy, edit)
     runtime = TierRuntime(export_copy)
-    with pytest.raises(ManifestError, match=message):
+    with pytest.raises(ManifestError, match=f"^{re.escape(str(export_copy / 'manifest.json'))}: {message}$"):
         runtime.session("small")
 
 
-@pytest.mark.parametrize("budget", [{"latency_ms": -1.0}, {"max_macs": float("nan")}, {"max_memory_mb": float("inf")}, {"batch": 0}])
-def test_select_refuses_negative_or_non_finite_budgets(exported, budget):
-    with pytest.raises(ValueError, match="must be"):
+@pytest.mark.parametrize("inputs, takes", [(["input", "extra"], "input, extra"), ([], "nothing")])
+def test_a_tier_with_other_inputs_than_the_manifests_is_refused(export_copy, inputs, takes):
+    """A tier file (with its hash in the manifest) whose model takes two inputs, or none."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    values = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3, 32, 32]) for n in inputs]
+    nodes = [helper.make_node("Constant", [], ["logits"], value=helper.make_tensor("c", TensorProto.FLOAT, [1, 10], [0.0] * 10))]
+    graph = helper.make_graph(nodes, "g", values, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, export_copy / "small.onnx")
+    edit_manifest(export_copy, lambda m: m["tiers"][0].update(sha256=file_sha256(export_copy / "small.onnx")))
+    with pytest.raises(ManifestError, match=f"^{re.escape(str(export_copy / 'manifest.json'))}: input.name: 'input', but small.onnx takes {takes}$"):
+        TierRuntime(export_copy).session("small")
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ({"latency_ms": -1.0}, "latency_ms: must be a finite number >= 0, got -1.0"),
+        ({"max_macs": float("nan")}, "max_macs: must be a finite number >= 0, got nan"),
+        ({"max_params": "9"}, "max_params: must be a finite number >= 0, got 9"),
+        ({"max_memory_mb": float("inf")}, "max_memory_mb: must be a finite number >= 0, got inf"),
+        ({"batch": 0}, "batch: must be an integer >= 1, got 0"),
+        ({"batch": True}, "batch: must be an integer >= 1, got True"),
+        ({"batch": 2.0}, "batch: must be an integer >= 1, got 2.0"),
+    ],
+)
+def test_select_refuses_negative_or_non_finite_budgets(exported, budget, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         TierRuntime(exported[2]).select(**budget)
 
 
@@ -289,3 +316,278 @@ def test_a_batch_that_cannot_fit_in_memory_is_refused_before_running(exported):
     with pytest.raises(ValueError, match=r"batch 1000000000: needs about .* more than the .* of memory available; use a batch of at most"):
         runtime.benchmark("full", 10**9)
     assert not runtime._sessions  # refused before any session was created
+
+
+# ---- select's rules, predict's normalisation, memory from the arrays themselves (issue 13) ----
+@pytest.mark.parametrize(
+    "accuracies, budget, tier, why",
+    [
+        # one fitting tier without an accuracy: the largest by MACs, not the most accurate
+        ((None, 0.90, 0.85), {}, "c", "largest (40 MACs; accuracy not measured for every tier) of 3/3"),
+        ((0.70, 0.90, None), {}, "c", "largest (40 MACs; accuracy not measured for every tier) of 3/3"),
+        # ... unless the budget leaves out the tier without one
+        ((0.70, 0.90, None), {"max_macs": 39}, "b", "most accurate (accuracy 0.9) of 2/3"),
+        # equal accuracies: the cheaper tier
+        ((0.90, 0.90, 0.85), {}, "a", "most accurate (accuracy 0.9) of 3/3"),
+        ((0.70, 0.90, 0.90), {}, "b", "most accurate (accuracy 0.9) of 3/3"),
+    ],
+)
+def test_select_rules_with_partial_accuracies_and_ties(export_copy, accuracies, budget, tier, why):
+    for order in (COSTS, COSTS[::-1]):  # the manifest's order does not matter
+        costs = [c[:3] + (accuracies["abc".index(c[0])],) + c[4:] for c in order]
+        choice = TierRuntime(write_manifest(export_copy, costs)).select(**budget)
+        assert choice.tier == tier
+        assert choice.reason.startswith(f"{tier}: {why} tiers within {'MACs <= 39' if budget else 'no budget'}; ")
+        assert sorted(choice.fitting) == sorted(c[0] for c in COSTS if c[1] <= budget.get("max_macs", 40))
+
+
+def test_select_ties_without_accuracy_go_to_more_params(export_copy):
+    costs = [("p", 40, 300, None, 1.0, 1.0, 0.5), ("q", 40, 400, None, 1.0, 1.0, 0.5), ("r", 10, 900, 0.9, 1.0, 1.0, 0.5)]
+    for order in (costs, costs[::-1]):
+        assert TierRuntime(write_manifest(export_copy, order)).select().tier == "q"
+
+
+@pytest.mark.parametrize(
+    "budget, fitting",
+    [  # a cost equal to its budget fits; a hair below it does not
+        ({"max_macs": 20}, ("a", "b")), ({"max_macs": 19.999}, ("a",)),
+        ({"max_params": 200}, ("a", "b")), ({"max_params": 199.999}, ("a",)),
+        ({"latency_ms": 2.0}, ("a", "b")), ({"latency_ms": 1.999}, ("a",)),
+        ({"max_memory_mb": 3.0}, ("a", "b")), ({"max_memory_mb": 2.999}, ("a",)),  # b: 2 + 1 x 1
+        ({"max_memory_mb": 6.0, "batch": 4}, ("a", "b")), ({"max_memory_mb": 5.999, "batch": 4}, ("a",)),  # b: 2 + 1 x 4
+        ({"max_macs": 0}, ()),
+    ],
+)
+def test_select_budgets_are_inclusive(export_copy, budget, fitting):
+    runtime = TierRuntime(write_manifest(export_copy, COSTS))
+    if not fitting:
+        with pytest.raises(NoTierFits, match=r"^no tier fits MACs <= 0; the smallest, a, needs MACs 10$"):
+            runtime.select(**budget)
+        return
+    choice = runtime.select(**budget)
+    assert choice.fitting == fitting and choice.tier == fitting[-1]
+
+
+def test_select_reason_states_the_budget_and_export_latency(export_copy):
+    runtime = TierRuntime(write_manifest(export_copy, COSTS))
+    batch = runtime.manifest.tier("a").latency.batch
+    choice = runtime.select(latency_ms=3, max_macs=1e6, max_params=1e6, max_memory_mb=100, batch=2)
+    assert choice.reason == (
+        "b: most accurate (accuracy 0.9) of 2/3 tiers within latency <= 3 ms and MACs <= 1,000,000 and "
+        f"params <= 1,000,000 and memory <= 100 MB at batch 2; 2 ms at batch {batch} on export"
+    )
+    assert runtime.selection is choice and runtime.resolve("auto") == "b" and runtime.resolve("c") == "c"
+    with pytest.raises(NoTierFits, match=r"^no tier fits params <= 50 and memory <= 1 MB at batch 3; the smallest, a, needs params 100, memory 2.5$"):
+        runtime.select(max_params=50, max_memory_mb=1, batch=3)
+
+
+def test_predict_applies_the_manifests_normalisation(exported, export_copy, tmp_path):
+    """The printed probabilities are PyTorch's softmax of the tier on (pixels / 255 - mean) / std."""
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from nefl_zoo_cli.app import app
+
+    compiled, state, _ = exported
+    mean, std = [0.9, 0.1, 0.5], [0.05, 0.2, 0.1]
+    names = [f"n{i}" for i in range(10)]
+    edit_manifest(export_copy, lambda m: (m["input"].update(normalization={"mean": mean, "std": std}), m.update(class_names=names)))
+    pixels = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels, "RGB").save(tmp_path / "x.png")
+    result = CliRunner().invoke(app, ["predict", str(export_copy), str(tmp_path / "x.png"), "--tier", "small", "--top-k", "10"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{tmp_path / 'x.png'} (tier small):"
+    printed = [(float(p), label) for p, label in (line.split(None, 1) for line in lines[1:])]
+
+    def probabilities(x):
+        with torch.no_grad():
+            return torch.softmax(compiled["small"].load(state).eval()(x).double(), dim=1)[0]
+
+    raw = torch.from_numpy(pixels.astype(np.float64) / 255).permute(2, 0, 1)[None]
+    normalised = (raw - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    expected = probabilities(normalised.float())
+    order = torch.argsort(expected, descending=True, stable=True).tolist()
+    assert [label for _, label in printed] == [f"n{i} ({i})" for i in order]
+    assert [p for p, _ in printed] == pytest.approx([float(expected[i]) for i in order], abs=1e-4)
+    assert float((probabilities(raw.float()) - expected).abs().max()) > 1e-2  # skipping it would show
+
+
+def test_memory_estimate_matches_the_bytes_of_the_arrays_it_describes(exported):
+    """``weights_mb`` is the file's size; ``activation_mb_per_sample`` the largest sum of one node's
+    activation inputs and outputs, measured here on onnxruntime's actual arrays for one sample."""
+    import onnx
+    import onnxruntime as ort
+
+    out = exported[2]
+    for entry in load_manifest(out).tiers:
+        path = out / entry.file
+        assert entry.weights_mb * 2**20 == path.stat().st_size
+        model = onnx.load(str(path))
+        weights = {t.name for t in model.graph.initializer}
+        graph_outputs = {o.name for o in model.graph.output}
+        inner = [v for v in onnx.shape_inference.infer_shapes(model).graph.value_info if v.name not in graph_outputs]
+        model.graph.output.extend(inner)  # every intermediate value becomes an output
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(0).standard_normal((1, 3, 32, 32), dtype=np.float32)
+        arrays = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"input": x})))
+        arrays["input"] = x
+        assert len(arrays) > len(model.graph.node) // 2
+        largest = max(
+            sum(arrays[n].nbytes for n in [*node.input, *node.output] if n and n not in weights and n in arrays)
+            for node in model.graph.node
+        )
+        assert entry.activation_mb_per_sample * 2**20 == largest
+        assert entry.memory_mb(3) == pytest.approx((path.stat().st_size + 3 * largest) / 2**20, rel=1e-12)
+
+
+def test_a_fixed_batch_manifest_is_enforced(export_copy):
+    edit_manifest(export_copy, lambda m: m["input"].update(batch=2))
+    runtime = TierRuntime(export_copy)
+    assert runtime.run(np.zeros((2, 3, 32, 32), np.float32), "small").shape == (2, 10)
+    with pytest.raises(ValueError, match=r"^this export has a fixed batch of 2, got 4$"):
+        runtime.run(np.zeros((4, 3, 32, 32), np.float32), "small")
+    with pytest.raises(ValueError, match=r"^this export has a fixed batch of 2, got --batch 1$"):
+        runtime.benchmark("small", 1)
+    assert runtime.benchmark("small", 2, runs=1, warmup=0) > 0
+    with pytest.raises(ValueError, match=r"^input shape \(2, 3, 32\) != \(batch, 3, 32, 32\)$"):
+        runtime.check_batch(np.zeros((2, 3, 32), np.float32))
+
+
+def test_check_memory_uses_four_working_sets_plus_the_input_per_sample(exported, monkeypatch):
+    """With the memory available fixed 100 bytes above or below the documented estimate of a
+    batch of 10 (weights + batch x (4 x activations + the float32 input)), it fits or not."""
+    import nefl_zoo.memory as memory
+
+    runtime = TierRuntime(exported[2])
+    entry = runtime.manifest.tier("small")
+    per_sample = 4 * entry.activation_mb_per_sample * 2**20 + 4 * 3 * 32 * 32
+    need = entry.weights_mb * 2**20 + 10 * per_sample
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: need + 100)
+    runtime.check_memory(10, ["small"])
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: need - 100)
+    with pytest.raises(ValueError, match=rf"^batch 10: needs about .* \(tier small: {per_sample / 2**20:,.2f} MiB per input\), more than the .* use a batch of at most 9$"):
+        runtime.check_memory(10, ["small"])
+    assert runtime.manifest.tier("full").activation_mb_per_sample > entry.activation_mb_per_sample
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: need + 100)
+    with pytest.raises(ValueError, match=r"\(tier full: "):  # default: every tier, and the full one needs more
+        runtime.check_memory(10)
+    with pytest.raises(ValueError, match=r"\(tier full: "):
+        runtime.benchmark("full", 10)
+    assert runtime.benchmark("small", 10, runs=1, warmup=0) > 0  # only the tier measured is checked
+
+
+def test_benchmark_runs_the_session_warmup_plus_runs_times(exported):
+    runtime = TierRuntime(exported[2])
+    session = runtime.session("small")
+    feeds = []
+
+    class Counting:
+        def run(self, names, feed):
+            feeds.append(feed)
+            return session.run(names, feed)
+
+    runtime._sessions["small"] = Counting()
+    assert runtime.benchmark("small", 3, runs=4, warmup=1) > 0
+    assert len(feeds) == 5 and all(f["input"].shape == (3, 3, 32, 32) and f["input"].dtype == np.float32 for f in feeds)
+    feeds.clear()
+    runtime.benchmark("small", 1)
+    assert len(feeds) == 12  # defaults: 10 timed runs after 2 warm-up runs
+
+
+def test_read_tier_refuses_what_is_not_a_tier_file(export_copy, monkeypatch):
+    import os
+
+    import nefl_zoo.runtime as runtime_module
+    from nefl_zoo.runtime import read_tier
+
+    entry = load_manifest(export_copy).tier("small")
+    path = export_copy / "small.onnx"
+    assert read_tier(path, entry.sha256, export_copy) == path.read_bytes()
+    assert read_tier(path, entry.sha256) == path.read_bytes()  # no root: no containment check
+    monkeypatch.setattr(runtime_module, "MAX_TIER_BYTES", path.stat().st_size - 1)
+    with pytest.raises(ManifestError, match=r"small.onnx: larger than 2 GiB, which no self-contained .onnx file is$"):
+        read_tier(path, entry.sha256)
+    monkeypatch.setattr(runtime_module, "MAX_TIER_BYTES", path.stat().st_size)
+    assert read_tier(path, entry.sha256) == path.read_bytes()
+    (export_copy / "dir.onnx").mkdir()
+    os.mkfifo(export_copy / "fifo.onnx")  # refused at once, not a read that waits for a writer
+    for name in ("dir.onnx", "fifo.onnx"):
+        with pytest.raises(ManifestError, match=rf"{name}: not a regular file$"):
+            read_tier(export_copy / name, entry.sha256, export_copy)
+    with pytest.raises(ManifestError, match=r"gone.onnx: tier file is missing \(re-export the model\)$"):
+        read_tier(export_copy / "gone.onnx", entry.sha256, export_copy)
+    (export_copy / "link.onnx").symlink_to(path)  # without a root to resolve in, a symlink is not followed
+    with pytest.raises(ManifestError, match=r"link.onnx: cannot read the tier file \(Too many levels of symbolic links\)$"):
+        read_tier(export_copy / "link.onnx", entry.sha256)
+    assert read_tier(export_copy / "link.onnx", entry.sha256, export_copy) == path.read_bytes()
+
+
+def test_sessions_take_the_thread_count(exported):
+    runtime = TierRuntime(exported[2] / "manifest.json", threads=1)
+    assert runtime.manifest_path == exported[2] / "manifest.json" and runtime.root == exported[2]
+    assert runtime.session("small").get_session_options().intra_op_num_threads == 1
+    assert runtime.session("small").get_providers() == ["CPUExecutionProvider"]
+
+
+def hand_tier(directory, input_shape, output_shape, batch=None):
+    """Replace small.onnx by a hand-made model (a constant output) and fix up the manifest."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    numel = int(np.prod(output_shape))
+    node = helper.make_node("Constant", [], ["logits"], value=helper.make_tensor("c", TensorProto.FLOAT, output_shape, [0.0] * numel))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, input_shape)],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, output_shape)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), directory / "small.onnx")
+    edit_manifest(directory, lambda m: (m["tiers"][0].update(sha256=file_sha256(directory / "small.onnx")), m["input"].update(batch=batch)))
+
+
+def test_a_fixed_batch_tier_must_match_the_manifests_batch(export_copy):
+    hand_tier(export_copy, [1, 3, 32, 32], [1, 10], batch=1)
+    assert TierRuntime(export_copy).run(np.zeros((1, 3, 32, 32), np.float32), "small").shape == (1, 10)
+    for batch in (None, 2):
+        hand_tier(export_copy, [1, 3, 32, 32], [1, 10], batch=batch)
+        message = f"{export_copy / 'manifest.json'}: input.batch: {batch}, but small.onnx takes a batch of 1"
+        with pytest.raises(ManifestError, match=f"^{re.escape(message)}$"):
+            TierRuntime(export_copy).session("small")
+
+
+def test_a_tier_whose_output_has_no_class_dimension_is_not_checked_for_it(export_copy):
+    hand_tier(export_copy, [1, 3, 32, 32], [], batch=1)
+    assert TierRuntime(export_copy).session("small").get_outputs()[0].shape == []
+
+
+def test_onnxruntime_load_errors_keep_their_first_line(export_copy, monkeypatch):
+    import onnxruntime as ort
+
+    import nefl_zoo.runtime as runtime_module
+    from nefl_zoo.runtime import session_from_bytes
+
+    with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(\[ONNXRuntimeError\] : 7 : INVALID_PROTOBUF : [^\n]+\)$"):
+        session_from_bytes(b"not an onnx model", "x.onnx")
+
+    class Silent(RuntimeError):
+        pass
+
+    def fails(*args, **kwargs):
+        raise Silent("  \n")
+
+    monkeypatch.setattr(runtime_module.ort, "InferenceSession", fails)
+    with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(Silent\)$"):
+        session_from_bytes(b"", "x.onnx")
+
+    def two_lines(*args, **kwargs):
+        raise RuntimeError("  first line\nsecond line")
+
+    monkeypatch.setattr(runtime_module.ort, "InferenceSession", two_lines)
+    with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(first line\)$"):
+        session_from_bytes(b"", "x.onnx")
+    assert ort.InferenceSession is two_lines
+
+
+def test_a_tier_whose_last_output_dimension_is_not_the_class_count_is_refused(export_copy):
+    hand_tier(export_copy, [1, 3, 32, 32], [1, 10, 3], batch=1)
+    message = f"{export_copy / 'manifest.json'}: output.num_classes: 10, but small.onnx gives 3 logits"
+    with pytest.raises(ManifestError, match=f"^{re.escape(message)}$"):
+        TierRuntime(export_copy).session("small")
