@@ -72,33 +72,44 @@ def _flower():
 
 def compare(
     config: Path = typer.Argument(..., help="training config YAML shared by every method"),
-    methods: str = typer.Option("nefl,fjord,heterofl,depthfl", "--methods", help="comma-separated methods"),
+    methods: str = typer.Option(
+        "nefl,fjord,heterofl,depthfl", "--methods",
+        help="comma-separated methods; METHOD=SPEC runs a method on another spec file or shipped spec (nefl=resnet20/nefl-d)",
+    ),
     seeds: int = typer.Option(3, "--seeds", help="seeds per method (config seed, +1, ...)"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default: runs/compare-NAME)"),
     set_: List[str] = typer.Option([], "--set", help="override a config key for every run"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
+    jobs: int = typer.Option(1, "--jobs", help="runs at a time, each in its own process (no progress bars)"),
 ) -> None:
-    """Run several methods x seeds on one setup; write results.md (Table 1 layout) and a plot."""
-    require_positive(seeds=seeds, threads=threads)
+    """Run several methods x seeds on one setup; write results.md (Table 1 layout, both BN
+    treatments, NeFL's paired differences) and a plot."""
+    require_positive(seeds=seeds, threads=threads, jobs=jobs)
     _setup(threads)
-    from nefl_zoo.fl.compare import compare_methods
+    from nefl_zoo.fl.compare import compare_methods, parse_entry
     from nefl_zoo.fl.config import MAX_SEED, ConfigError, load_config
     from nefl_zoo.fl.strategy import registered_methods
     from nefl_zoo.spec import SpecError
 
     known = registered_methods()
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in known]
+    unknown = [m for m in names if m.partition("=")[0].strip() not in known]
     if not names or unknown:
         raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    try:
+        keys = [parse_entry(m).key for m in names]
+    except SpecError as exc:
+        raise fail(f"--methods: {exc}") from None
+    if len(set(keys)) < len(keys):
+        raise fail(f"--methods: two entries share a name ({', '.join(keys)}); give spec files different names")
     with user_errors(ConfigError, SpecError):
         cfg = load_config(config, set_)
         if cfg.seed + seeds - 1 > MAX_SEED:
             raise fail(f"--seeds: seeds {cfg.seed}..{cfg.seed + seeds - 1} go past {MAX_SEED}; lower seed or --seeds")
         folder = out or Path("runs") / f"compare-{cfg.name}"
         _check_folder("--out", folder)
-        result = compare_methods(cfg, names, seeds, folder, None if quiet else RichProgress)
+        result = compare_methods(cfg, names, seeds, folder, None if quiet or jobs > 1 else RichProgress, jobs=jobs, threads=threads)
     typer.echo(result.markdown)
     typer.echo(f"wrote {result.results_md} and {result.plot}")
 

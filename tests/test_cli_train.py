@@ -72,7 +72,8 @@ def test_compare_writes_table_and_plot(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| Model | Method | Worst | Avg |" in table
     assert "| resnet20 | NeFL |" in table and "| resnet20 | FedProx |" in table and "| resnet20 | FedLPS |" in table and "±" in table
-    png = (tmp_path / "accuracy_vs_macs.png").read_bytes()
+    assert "BN statistics at evaluation: **running**" in table and "BN statistics at evaluation: **recompute**" in table
+    png = (tmp_path / "comparison.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert sorted(p.name for p in (tmp_path / "nefl").iterdir()) == ["seed0", "seed1"]
 
@@ -83,4 +84,4 @@ def test_methods_lists_every_registered_method_with_its_settings():
     cells = [line.split("│") for line in result.output.splitlines() if line.startswith("│")]
     rows = {c[1].strip(): "│".join(c) for c in cells if c[1].strip()}  # wrapped descriptions continue on rows without a name
     assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox", "fedgh", "fedlps"]
-    assert "mu: 0.01" in rows["fedprox"] and "kd: False" in rows["fjord"] and "bn_recompute_batches: 20" in rows["heterofl"]
+    assert "mu: 0.01" in rows["fedprox"] and "kd: True" in rows["fjord"] and "kd: True" in rows["depthfl"]

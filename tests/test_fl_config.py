@@ -43,7 +43,8 @@ def test_overrides_are_typed_and_nested():
         ({"spec": SPEC, "method": "nefl", "method_args": {"kd": True}}, "method_args.kd", "nefl: unknown key"),
         ({"spec": SPEC, "method": "fjord", "method_args": {"kd": "maybe"}}, "method_args.kd", "fjord: Input should be a valid boolean"),
         ({"spec": SPEC, "method": "fjord", "train": {"kd": True}}, "train.kd", "moved to method_args.kd (method: fjord)"),
-        ({"spec": SPEC, "eval": {"bn_recompute_batches": 5}}, "eval.bn_recompute_batches", "moved to method_args.bn_recompute_batches"),
+        ({"spec": SPEC, "eval": {"bn_recompute_batches": 5}}, "eval.bn_recompute_batches", "moved to eval.bn_batches"),
+        ({"spec": SPEC, "eval": {"bn": "batch"}}, "eval.bn", "'running' or 'recompute'"),
         ({"spec": SPEC, "rounds": 0}, "rounds", "greater than"),
         ({"spec": SPEC, "train": {"schedule": "linear"}}, "train.schedule", "step"),
         ({"spec": SPEC, "data": {"alpha": -1}}, "data.alpha", "greater than"),
@@ -85,8 +86,8 @@ def test_relative_spec_path_is_resolved_against_the_config(tmp_path):
 def test_method_args_are_the_methods_own_settings_and_saved_with_their_defaults():
     config = parse_config({"spec": SPEC, "method": "fjord", "method_args": {"kd": True}})
     assert config.build_strategy().settings.kd is True
-    assert config.to_dict()["method_args"] == {"kd": True}
-    assert parse_config({"spec": SPEC, "method": "heterofl"}).to_dict()["method_args"] == {"bn_recompute_batches": 20}
+    assert config.to_dict()["method_args"] == {"kd": True, "kd_alpha": 1.0, "kd_temperature": 1.0}
+    assert parse_config({"spec": SPEC, "method": "fjord"}).to_dict()["method_args"] == {"kd": True, "kd_alpha": 1.0, "kd_temperature": 1.0}
     other = config.with_method("fedprox", seed=3)  # another method starts from its own defaults
     assert (other.method, other.seed, other.build_strategy().settings.mu) == ("fedprox", 3, 0.01)
 

@@ -115,7 +115,8 @@ def test_each_baseline_runs_a_round(tmp_path, method):
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["rejected"] == 0 and record["clients"] >= 1
     if method == "depthfl":
-        assert set(result.acc) == {"d1", "d2", "d3"} and any(k.startswith("exits.2.") for k in changed)
+        assert set(result.acc) == {"g0.25", "g0.5", "g1"} and "running/ensemble" in result.extra
+        assert any(k.startswith("exits.") for k in changed)
     if method == "fjord":  # every width's own BN was trained by the clients that sampled it
         assert any(k.endswith("bn1.weight@g0.25") for k in changed)
     if method == "fedavg_min":
@@ -153,7 +154,7 @@ def test_nested_entry_gives_views_of_the_wider_tensor():
 
 
 def test_heterofl_static_bn_and_scaler():
-    method = tiny(method="heterofl", method_args={"bn_recompute_batches": 2}).build_strategy()
+    method = tiny(method="heterofl", eval__bn_batches=2).build_strategy()
     a = Assignment("g0.25", ("g0.25",))
     entries = method.entries(a)
     assert not any(k.endswith(("running_mean", "running_var")) for k in entries)
@@ -172,7 +173,7 @@ def test_heterofl_static_bn_and_scaler():
     assert set(local.state()) == set(entries)
     images = (torch.randn(1, 1, 8, 8) + 3).expand(48, 1, 8, 8).contiguous()  # one image, so every batch agrees
     data = SimpleNamespace(train_eval=TensorDataset(images, torch.zeros(48, dtype=torch.long)))
-    net = method.eval_model(state, "g0.25", data)
+    net = method.with_bn(method.eval_model(state, "g0.25", data), "running", data)  # static BN: recomputed anyway
     assert not net.training
     # recomputed from scratch as a cumulative average (default momentum would mix in the old 0)
     stem = torch.nn.functional.conv2d(images[:1], state["conv1.weight"][: net.conv1.out_channels], padding=1)
@@ -189,7 +190,7 @@ def test_fjord_narrow_width_trains_a_prefix_of_the_wide_tensors():
     assert "layer1.0.bn1.weight@g0.25" in entries and "layer1.0.bn1.weight" in entries
     local = method.local_model(a, {k: e.gather(state[e.global_key]).clone() for k, e in entries.items()})
     local.train()
-    local._narrow_forward(0, torch.randn(4, 1, 8, 8)).sum().backward()
+    local.width_forward(0, torch.randn(4, 1, 8, 8)).sum().backward()
     grad = local.net.layer1[0].conv1.weight.grad
     k = method.compiled["g0.25"].slice_map["layer1.0.conv1.weight"].shape
     assert grad[: k[0], : k[1]].abs().sum() > 0
@@ -198,10 +199,10 @@ def test_fjord_narrow_width_trains_a_prefix_of_the_wide_tensors():
     assert local.narrow[0].layer1[0].bn1.weight.grad is not None
 
 
-def test_depthfl_maps_resources_to_stage_prefixes():
+def test_depthfl_holds_its_prefix_and_the_exits_up_to_it():
     method = tiny(method="depthfl").build_strategy()
-    assert method.tier_names == ["d1", "d2", "d3"]
-    assert method.size["d1"] < method.size["d2"] < method.size["d3"]
-    assert method.assign(["g0.5", "g1"], random.Random(0)).tier == "d3"
+    assert method.tier_names == ["g0.25", "g0.5", "g1"]
+    assert method.bounds == {"g0.25": 6, "g0.5": 7, "g1": 9}  # blocks; ratios 0.24, 0.46, 1 of 0.25, 0.5, 1
     held = method.entries(method.assign(["g0.25"], random.Random(0)))
-    assert not any(k.startswith(("layer3.", "fc.", "exits.2.")) for k in held)
+    assert "layer3.0.downsample.0.weight" in held and "exits.0.weight" in held  # stage 3 only downsamples
+    assert not any(k.startswith(("layer3.0.conv", "layer3.1.", "fc.", "exits.1.", "exits.2.")) for k in held)

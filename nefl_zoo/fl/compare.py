@@ -1,23 +1,68 @@
-"""Run several methods x seeds on one setup; tabulate worst/avg accuracy and plot it vs MACs."""
+"""Run several methods x seeds on one setup; tabulate worst/avg accuracy per BN treatment, NeFL's
+paired differences against each baseline, and plot accuracy vs MACs and vs round.
+
+A method entry is a registered method name (``fjord``) or ``METHOD=SPEC`` (``nefl=resnet20/nefl-d``:
+the method on another spec file or shipped spec, with the same tier names; its row is named by
+the spec's file stem).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from typing import Callable
-
-from .config import RunConfig
+from .bn import BN_TREATMENTS
+from .config import RunConfig, parse_config
 from .engine import Engine, RunObserver, RunResult
 from .strategy import get_method
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One row of a comparison: a method, optionally on its own spec file."""
+
+    key: str
+    method: str
+    spec: Path | None = None
+
+    @property
+    def label(self) -> str:
+        label = get_method(self.method).label
+        return f"{label} ({self.key})" if self.spec is not None else label
+
+
+def parse_entry(text: str) -> Entry:
+    """``METHOD`` or ``METHOD=SPEC`` (a spec file or shipped spec name); ``KeyError`` for an
+    unknown method, :class:`~nefl_zoo.spec.SpecError` for a missing spec."""
+    from ..spec import resolve_spec_path
+
+    method, _, spec = (s.strip() for s in text.partition("="))
+    get_method(method)
+    if not spec:
+        return Entry(method, method)
+    path = resolve_spec_path(spec).resolve()
+    return Entry(path.stem, method, path)
+
+
+def entry_config(config: RunConfig, entry: Entry, seed: int) -> RunConfig:
+    """``config`` for one entry and seed (the entry's spec replacing the config's)."""
+    cfg = config.with_method(entry.method, seed)
+    if entry.spec is None:
+        return cfg
+    data = cfg.to_dict()
+    data["spec"] = str(entry.spec)
+    return parse_config(data, f"{config.name}:{entry.key}")
+
+
 @dataclass
 class Comparison:
-    """Per method, the runs' results; plus the files written."""
+    """Per entry key, the runs' results; plus the markdown and the files written."""
 
     runs: dict[str, list[RunResult]]
     markdown: str
@@ -25,86 +70,180 @@ class Comparison:
     plot: Path
 
 
-def _mean_std(values: list[float]) -> str:
-    a = 100 * np.asarray(values)
+def _run(config: dict, out: str, threads: int | None) -> RunResult:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    return Engine(parse_config(config, out), out).run(overwrite=True)
+
+
+def treatments(runs: dict[str, list[RunResult]]) -> list[str]:
+    """The BN treatments the runs evaluated (``TREATMENT/NAME`` extra metrics); ``running``
+    alone when none did (methods with an evaluation of their own, e.g. FedLPS)."""
+    found = {k.split("/")[0] for rs in runs.values() for r in rs for k in r.extra}
+    return [t for t in BN_TREATMENTS if t in found] or ["running"]
+
+
+def accuracies(result: RunResult, treatment: str) -> dict[str, float]:
+    """Per submodel, the final accuracy under ``treatment`` (the reported one for a method that
+    has no BN treatments)."""
+    return {t: result.extra.get(f"{treatment}/{t}", a) for t, a in result.acc.items()}
+
+
+def _mean_std(values) -> str:
+    a = 100 * np.asarray(values, dtype=float)
     return f"{a.mean():.2f} ± {a.std(ddof=1) if len(a) > 1 else 0.0:.2f}"
 
 
-def results_table(config: RunConfig, runs: dict[str, list[RunResult]]) -> str:
-    """A markdown table in the layout of the NeFL paper's Table 1 (worst and avg accuracy)."""
-    spec = config.submodel_spec()
+def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]]) -> str:
+    """Markdown in the layout of the NeFL paper's Table 1 (worst and avg accuracy) per BN
+    treatment, the per-submodel means, and every NeFL row's paired difference against each
+    baseline: mean ± std over seeds of (NeFL - baseline) and how many seeds NeFL wins."""
     seeds = len(next(iter(runs.values())))
+    model = config.submodel_spec().model
     lines = [
         f"Top-1 accuracy (%) of the worst-case submodel and the average over submodels, mean ± std over "
-        f"{seeds} seed(s); {config.data.dataset}, {config.data.partition}, {config.rounds} rounds, "
-        f"{config.clients.num_clients} clients x {config.clients.fraction}.",
-        "",
-        "| Model | Method | Worst | Avg |",
-        "|---|---|---|---|",
+        f"{seeds} seed(s); {config.data.dataset}, {config.data.partition}"
+        + (f" (alpha {config.data.alpha})" if config.data.partition == "dirichlet" else "")
+        + f", {config.rounds} rounds, {config.clients.num_clients} clients x {config.clients.fraction}.",
     ]
-    for method, results in runs.items():
-        lines.append(f"| {spec.model} | {get_method(method).label} | {_mean_std([r.worst for r in results])} | {_mean_std([r.avg for r in results])} |")
-    lines += ["", "Per submodel (mean over seeds):", "", "| Method | " + "submodel: accuracy |", "|---|---|"]
-    for method, results in runs.items():
-        cells = ", ".join(f"{t}: {100 * np.mean([r.acc[t] for r in results]):.2f}" for t in results[0].acc)
-        lines.append(f"| {get_method(method).label} | {cells} |")
+    nefl = [e for e in entries if e.method == "nefl"]
+    baselines = [e for e in entries if e.method != "nefl"]
+    for treatment in treatments(runs):
+        stats = {e.key: [accuracies(r, treatment) for r in runs[e.key]] for e in entries}
+        worst = {k: [min(a.values()) for a in v] for k, v in stats.items()}
+        avg = {k: [float(np.mean(list(a.values()))) for a in v] for k, v in stats.items()}
+        lines += ["", f"BN statistics at evaluation: **{treatment}**", "", "| Model | Method | Worst | Avg |", "|---|---|---|---|"]
+        lines += [f"| {model} | {e.label} | {_mean_std(worst[e.key])} | {_mean_std(avg[e.key])} |" for e in entries]
+        names = list(dict.fromkeys(t for e in entries for t in stats[e.key][0]))
+        lines += ["", "| Method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for e in entries:
+            cells = (f"{100 * np.mean([a[t] for a in stats[e.key]]):.2f}" if t in stats[e.key][0] else "–" for t in names)
+            lines.append(f"| {e.label} | " + " | ".join(cells) + " |")
+        for e in entries:  # further models a method evaluates (DepthFL's exits' ensemble)
+            r0 = runs[e.key][0]
+            for name in sorted({k.split("/", 1)[1] for k in r0.extra if k.startswith(f"{treatment}/")} - set(r0.acc)):
+                lines += ["", f"{e.label} {name}: {_mean_std([r.extra[f'{treatment}/{name}'] for r in runs[e.key]])}"]
+        if nefl and baselines:
+            lines += ["", f"NeFL minus baseline, worst case, paired by seed: mean ± std (seeds NeFL is ahead, of {seeds})", "",
+                      "| Baseline | " + " | ".join(e.label for e in nefl) + " |", "|---|" + "---|" * len(nefl)]
+            for b in baselines:
+                cells = []
+                for n in nefl:
+                    d = np.asarray(worst[n.key]) - np.asarray(worst[b.key])
+                    cells.append(f"{_mean_std(d)} ({int((d > 0).sum())}/{len(d)})")
+                lines.append(f"| {b.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _macs(config: RunConfig, method: str) -> dict[str, int]:
+def curves(out: Path, entries: list[Entry], seeds: list[int], treatment: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per entry, the evaluated rounds and the worst-case accuracy (%) per seed and round."""
+    out_curves = {}
+    for e in entries:
+        per_seed = []
+        for seed in seeds:
+            records = [json.loads(line) for line in (out / e.key / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+            evals = [r for r in records if "acc" in r]
+            per_seed.append([(r["round"], 100 * min(r.get("extra", {}).get(f"{treatment}/{t}", a) for t, a in r["acc"].items()))
+                             for r in evals])
+        rounds = np.array([r for r, _ in per_seed[0]])
+        out_curves[e.key] = (rounds, np.array([[a for _, a in s] for s in per_seed]))
+    return out_curves
+
+
+def flatness(curve: tuple[np.ndarray, np.ndarray], window: int = 5) -> tuple[float, float]:
+    """(change of the seed-mean worst-case accuracy over the last ``window`` rounds, seed std at
+    the end): a curve has flattened when the first is below the second."""
+    rounds, acc = curve
+    mean = acc.mean(0)
+    earlier = int(np.searchsorted(rounds, rounds[-1] - window))
+    return float(abs(mean[-1] - mean[earlier])), float(acc[:, -1].std(ddof=1)) if len(acc) > 1 else 0.0
+
+
+def _macs(config: RunConfig) -> dict[str, int]:
     """MACs of the method's submodels by name; none for a method whose evaluated models are not
     tiers of a compiled spec (FedLPS reports accuracy per task)."""
     from ..profile import profile_tiers
 
-    compiled = getattr(config.with_method(method).build_strategy(), "compiled", None)
+    compiled = getattr(config.build_strategy(), "compiled", None)
     return {p.name: p.macs for p in profile_tiers(compiled)} if compiled is not None else {}
 
 
-def plot_accuracy_vs_macs(config: RunConfig, runs: dict[str, list[RunResult]], path: Path) -> None:
-    """Accuracy of every submodel against its MACs, one line per method (mean ± std over seeds);
-    methods without per-submodel MACs are left out."""
+def plot_comparison(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: Path, path: Path) -> None:
+    """Left: accuracy of every submodel against its MACs (mean ± std over seeds); right: the
+    worst-case accuracy against the round (mean, band: ± std), one line per entry; both with
+    the first BN treatment the runs share."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, results in runs.items():
-        macs = _macs(config, method)
-        tiers = sorted((t for t in results[0].acc if t in macs), key=macs.__getitem__)
-        if not tiers:  # nothing to place on the MACs axis
-            continue
-        acc = np.array([[100 * r.acc[t] for t in tiers] for r in results])
-        x = [macs[t] / 1e6 for t in tiers]
-        ax.errorbar(x, acc.mean(0), yerr=acc.std(0), marker="o", capsize=3, label=get_method(method).label)
-    ax.set_xlabel("MACs per image (millions)")
-    ax.set_ylabel("top-1 accuracy (%)")
-    ax.set_title(f"{config.submodel_spec().model} on {config.data.dataset}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    treatment = treatments(runs)[0]
+    seeds = [config.seed + s for s in range(len(next(iter(runs.values()))))]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for e, (rounds, acc) in zip(entries, curves(out, entries, seeds, treatment).values()):
+        macs = _macs(entry_config(config, e, config.seed))
+        tiers = sorted((t for t in runs[e.key][0].acc if t in macs), key=macs.__getitem__)
+        if tiers:
+            a = np.array([[100 * accuracies(r, treatment)[t] for t in tiers] for r in runs[e.key]])
+            left.errorbar([macs[t] / 1e6 for t in tiers], a.mean(0), yerr=a.std(0), marker="o", capsize=3, label=e.label)
+        line, = right.plot(rounds, acc.mean(0), label=e.label)
+        right.fill_between(rounds, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), color=line.get_color(), alpha=0.15)
+    left.set(xlabel="MACs per image (millions)", ylabel="top-1 accuracy (%)", title=f"final accuracy, BN {treatment}")
+    right.set(xlabel="round", ylabel="worst-case top-1 accuracy (%)", title="worst-case submodel vs round")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.suptitle(f"{config.submodel_spec().model} on {config.data.dataset} ({config.data.partition})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def compare_methods(
-    config: RunConfig, methods: list[str], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None
+    config: RunConfig, methods: list[str], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None,
+    jobs: int = 1, threads: int | None = None,
 ) -> Comparison:
-    """Train every method with seeds ``config.seed .. config.seed + seeds - 1`` into ``out``.
+    """Train every entry (see :func:`parse_entry`) with seeds ``config.seed .. config.seed + seeds - 1``
+    into ``out/KEY/seedN``, ``jobs`` runs at a time (more than one: each in its own process with
+    ``threads`` torch threads, no observer). Every run evaluates both BN treatments.
 
     The config's ``method_args`` apply to its own method; the other methods use their defaults.
     ``observer`` makes one observer per run (e.g. a progress bar)."""
     out = Path(out)
-    runs: dict[str, list[RunResult]] = {}
-    for method in methods:
-        runs[method] = []
-        for s in range(seeds):
-            cfg = config.with_method(method, config.seed + s)
-            engine = Engine(cfg, out / method / f"seed{cfg.seed}")
-            runs[method].append(engine.run(overwrite=True, observer=observer() if observer else None))
-    markdown = results_table(config, runs)
-    results_md, plot = out / "results.md", out / "accuracy_vs_macs.png"
-    results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n![accuracy vs MACs]({plot.name})\n")
-    (out / "results.json").write_text(json.dumps({m: [r.__dict__ for r in rs] for m, rs in runs.items()}, indent=2))
-    plot_accuracy_vs_macs(config, runs, plot)
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"bn_both": True})})
+    entries = [parse_entry(m) for m in methods]
+    jobs_list = [(e, config.seed + s) for s in range(seeds) for e in entries]  # seed by seed: a cut-short grid has whole seeds
+    configs = {(e.key, seed): entry_config(config, e, seed) for e, seed in jobs_list}
+    results: dict[tuple[str, int], RunResult] = {}
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            futures = {k: pool.submit(_run, c.to_dict(), str(out / k[0] / f"seed{k[1]}"), threads) for k, c in configs.items()}
+            results = {k: f.result() for k, f in futures.items()}
+    else:
+        for k, cfg in configs.items():
+            engine = Engine(cfg, out / k[0] / f"seed{k[1]}")
+            results[k] = engine.run(overwrite=True, observer=observer() if observer else None)
+    runs = {e.key: [results[(e.key, config.seed + s)] for s in range(seeds)] for e in entries}
+    return report(config, entries, runs, out)
+
+
+def load_runs(config: RunConfig, methods: list[str], seeds: int, out: str | Path) -> dict[str, list[RunResult]]:
+    """The results of finished runs in ``out/KEY/seedN`` (their ``summary.json``)."""
+    runs = {}
+    for e in (parse_entry(m) for m in methods):
+        paths = [Path(out) / e.key / f"seed{config.seed + s}" / "summary.json" for s in range(seeds)]
+        runs[e.key] = [RunResult(**json.loads(p.read_text())) for p in paths]
+    return runs
+
+
+def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: str | Path) -> Comparison:
+    """Write ``results.md``, ``results.json`` and ``comparison.png`` for finished runs into ``out``."""
+    out = Path(out)
+    markdown = results_table(config, entries, runs)
+    results_md, plot = out / "results.md", out / "comparison.png"
+    results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n![accuracy vs MACs and vs round]({plot.name})\n")
+    (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))
+    plot_comparison(config, entries, runs, out, plot)
     return Comparison(runs, markdown, results_md, plot)

@@ -28,7 +28,7 @@ class ConfigError(SpecError):
 
 # keys that moved from the shared sections into a method's own ``method_args``
 MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
-         ("eval", "bn_recompute_batches"): "method_args.bn_recompute_batches (method: heterofl)"}
+         ("eval", "bn_recompute_batches"): "eval.bn_batches"}
 
 
 class RunConfig(Strict):
@@ -86,7 +86,8 @@ class RunConfig(Strict):
         return cls(
             self.submodel_spec(), self.train, parse_settings(self.method, self.method_args),
             seed=self.seed, rounds=self.rounds, fraction=self.clients.fraction, eval_batch_size=self.eval.batch_size,
-            eval_per_client=self.eval.per_client,
+            eval_per_client=self.eval.per_client, eval_bn=self.eval.bn, eval_bn_batches=self.eval.bn_batches,
+            eval_bn_both=self.eval.bn_both,
         )
 
     def data_root(self) -> Path:

@@ -11,7 +11,7 @@ scores the global state. Files, checkpoints and RNG state belong to the
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -43,7 +43,8 @@ def _nbytes(state) -> int:
 
 @dataclass
 class RunResult:
-    """The end of a run: final accuracies per submodel, worst, average, bytes moved."""
+    """The end of a run: final accuracies per submodel, worst, average, bytes moved, and the
+    further metrics of the last evaluation (``TREATMENT/NAME``, see :meth:`Strategy.evaluate`)."""
 
     acc: dict[str, float]
     worst: float
@@ -51,6 +52,7 @@ class RunResult:
     bytes_down: int
     bytes_up: int
     rounds: int
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class RunObserver(Protocol):
@@ -203,7 +205,10 @@ class Engine:
             self.round += 1
             if self.round % cfg.eval.every == 0 or self.round == cfg.rounds:
                 acc = self.evaluate()
-                self.last_eval = {"acc": acc, "worst": min(acc.values()), "avg": float(np.mean(list(acc.values())))}
+                submodels = {k: v for k, v in acc.items() if "/" not in k}
+                extra = {k: v for k, v in acc.items() if "/" in k}
+                self.last_eval = {"acc": submodels, "worst": min(submodels.values()), "avg": float(np.mean(list(submodels.values()))),
+                                  **({"extra": extra} if extra else {})}
                 record.update(self.last_eval)
             self.store.log(record)
             if self.round % cfg.checkpoint_every == 0 or self.round == cfg.rounds:
@@ -211,7 +216,7 @@ class Engine:
             if observer:
                 observer.round(record, self.last_eval)
         result = RunResult(self.last_eval["acc"], self.last_eval["worst"], self.last_eval["avg"],
-                           self.totals["bytes_down"], self.totals["bytes_up"], self.round)
+                           self.totals["bytes_down"], self.totals["bytes_up"], self.round, self.last_eval.get("extra", {}))
         self.store.write_summary(asdict(result))
         if observer:
             observer.end(self, result)

@@ -84,10 +84,20 @@ class TrainConfig(Strict):
 
 
 class EvalConfig(Strict):
-    """When and how the server evaluates."""
+    """When and how the server evaluates.
+
+    ``bn`` decides the BatchNorm statistics of the reported accuracies (:mod:`.bn`):
+    ``running`` (as averaged from the clients) or ``recompute`` (reset and recomputed per
+    submodel on ``bn_batches`` training batches without augmentation, the same batches for every
+    method); ``bn_both`` also evaluates the other treatment, logged as ``TREATMENT/SUBMODEL``.
+    HeteroFL trains with static BN, so it always recomputes.
+    """
 
     every: int = Field(5, ge=1, description="evaluate every N rounds (and after the last)")
     batch_size: int = Field(256, ge=1)
+    bn: Literal["running", "recompute"] = Field("running", description="BN statistics at evaluation")
+    bn_batches: int = Field(20, ge=1, description="training batches (train.batch_size) for bn: recompute")
+    bn_both: bool = Field(False, description="evaluate both BN treatments at every evaluation")
     per_client: bool = Field(
         False, description="score each client's model on the client's own test split (data.local_split) "
         "and report the mean per submodel, instead of the global test set"

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
+from .bn import BN_TREATMENTS, recompute_batches, recompute_bn
 
 if TYPE_CHECKING:
     from ..slim import CompiledSpec
@@ -90,6 +91,9 @@ class Strategy(abc.ABC):
         fraction: share of clients sampled per round.
         eval_batch_size: batch size of evaluation.
         eval_per_client: evaluate on the clients' own test splits instead of the server's test set.
+        eval_bn: BN statistics of the reported accuracies, ``running`` or ``recompute`` (:mod:`.bn`).
+        eval_bn_batches: training batches for ``recompute``.
+        eval_bn_both: also evaluate the other treatment (see :meth:`evaluate`).
 
     Subclasses implement the hooks; ``server_round`` is 1-based, as in Flower.
     """
@@ -109,12 +113,18 @@ class Strategy(abc.ABC):
         fraction: float = 1.0,
         eval_batch_size: int = 256,
         eval_per_client: bool = False,
+        eval_bn: str = "running",
+        eval_bn_batches: int = 20,
+        eval_bn_both: bool = False,
     ):
         self.run_spec = spec
         self.train_config = train
         self.settings = settings if settings is not None else self.Settings()
         self.seed, self.rounds, self.fraction = seed, rounds, fraction
         self.eval_batch_size, self.eval_per_client = eval_batch_size, eval_per_client
+        #: the BN treatments evaluated, the reported one first
+        self.eval_bn: tuple[str, ...] = (eval_bn, *(t for t in BN_TREATMENTS if t != eval_bn and eval_bn_both))
+        self.eval_bn_batches = eval_bn_batches
 
     # -- what the engine needs to know -------------------------------------------------------
     @property
@@ -157,7 +167,10 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], data) -> dict[str, float]:
         """Server-side evaluation: accuracy per submodel name on ``data``
-        (:class:`~nefl_zoo.fl.data.FederatedData`)."""
+        (:class:`~nefl_zoo.fl.data.FederatedData`).
+
+        Keys holding ``/`` are further metrics, not submodels (not in worst/avg): e.g.
+        ``recompute/g0.2``, a submodel under one BN treatment, or ``running/ensemble``."""
 
     def configure_evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], clients: list[ClientInfo]) -> dict[int, Instruction]:
         """Clients to evaluate on their own held-out data, and what each receives
@@ -219,6 +232,14 @@ class Strategy(abc.ABC):
         if cfg.grad_clip is not None:
             out["grad_clip"] = cfg.grad_clip
         return out
+
+    def with_bn(self, model: torch.nn.Module, treatment: str, data) -> torch.nn.Module:
+        """``model`` in eval mode with the BN statistics of ``treatment`` (``recompute``: on
+        ``data.train_eval`` batches of the run seed, :func:`~nefl_zoo.fl.bn.recompute_bn`)."""
+        if treatment == "recompute":
+            batches = recompute_batches(data.train_eval, self.train_config.batch_size, self.seed, self.eval_bn_batches)
+            recompute_bn(model, batches)
+        return model.eval()
 
     def reply_weight(self, reply: Reply) -> float:
         """A reply's aggregation weight: 1 per client (the paper) or its sample count."""

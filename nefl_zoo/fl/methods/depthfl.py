@@ -1,55 +1,98 @@
-"""DepthFL: depth-prefix submodels with a bottleneck classifier at every exit and mutual
-self-distillation between exits.
+"""DepthFL as the NeFL paper's baseline (appendix "Baselines"): contiguous depth prefixes at the
+run's parameter ratios, an exit classifier per prefix, BN decoupled per submodel and mutual
+self-distillation among the exits a client trains.
 
-A submodel of depth d keeps the stem and the first d stages of a zoo model whose stages output
-feature maps (the ResNets). Each stage's output (the model's ``feature_info`` stages) feeds its own exit
-classifier, stored in the global state under the extra keys ``exits.{i}.*`` (consistent, so
-every exit is averaged over the clients holding it). The model's own classifier and the stages
-a client does not hold are neither sent nor trained. A submodel's prediction is its deepest exit.
+Submodel ``t`` keeps the first ``prefix[t]`` residual blocks of the full architecture (block
+granularity, in stage order: NeFL-D with the trailing blocks skipped, step sizes fixed at 1);
+the projection shortcuts of the skipped stages' first blocks stay as the downsampling layers
+that bring its features to the classifier's input size. Each submodel has its own exit
+classifier, stored in the global state as ``exits.{i}.weight/bias`` (``i``: the submodel's
+position; consistent, so averaged over the clients holding it), and its own BatchNorm
+(``inconsistent: [norm]``). The model's own classifier is not used.
 """
 
 from __future__ import annotations
 
-import random
 from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from ...slim import SliceEntry, SliceMap
+from ...slim import SliceEntry, SliceMap, compile_spec
 from ...spec import SubmodelSpec, TierSpec, stage_depths
 from ..local import LocalModel, load_entries
-from ..strategy import register_method
+from ..strategy import MethodSettings, register_method
 from .nefl import Assignment, NeFL
 
 EXIT_PREFIX = "exits"
+ENSEMBLE = "ensemble"
 
 
-def exit_head(channels: int, num_classes: int) -> nn.Sequential:
-    """A bottleneck classifier: 3x3 conv, BN, ReLU, global pooling, linear."""
-    return nn.Sequential(
-        nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes),
-    )
+def prefix_steps(depths: list[int], blocks: int) -> list[list[float]]:
+    """Step sizes keeping the first ``blocks`` residual blocks (stage order), skipping the rest."""
+    out, start = [], 0
+    for n in depths:
+        out.append([1.0 if start + j < blocks else 0.0 for j in range(n)])
+        start += n
+    return out
+
+
+def prefix_ratios(spec: SubmodelSpec) -> dict[int, float]:
+    """Parameter ratio of every depth prefix (1 .. all blocks) of ``spec``'s full model: a skipped
+    block loses its branch (step included); a skipped first block keeps its projection."""
+    with torch.device("meta"):
+        full = compile_spec(spec).create_global_model()
+    total = sum(p.numel() for p in full.parameters())
+    branches = [sum(p.numel() for _, p in block.branch_parameters()) for _, _, block in full.residual_blocks()]
+    return {b: (total - sum(branches[b:])) / total for b in range(1, len(branches) + 1)}
+
+
+def mutual_distillation(logits: list[torch.Tensor]) -> torch.Tensor:
+    """DepthFL's mutual self-distillation: every exit's KL divergence from each other exit's
+    (detached) softmax, averaged over the others, summed over exits."""
+    if len(logits) < 2:
+        return logits[0].new_zeros(())
+    probs = [F.softmax(z.detach(), 1) for z in logits]
+    total = logits[0].new_zeros(())
+    for i, z in enumerate(logits):
+        log_p = F.log_softmax(z, 1)
+        total = total + sum(F.kl_div(log_p, probs[j], reduction="batchmean") for j in range(len(logits)) if j != i) / (len(logits) - 1)
+    return total
 
 
 class _ExitsNet(LocalModel):
-    """The first ``len(exits)`` stages of a slim model with an exit classifier after each."""
+    """One submodel's slim network with the exits of every submodel whose prefix it contains.
 
-    def __init__(self, net: nn.Module, exits: nn.ModuleList, held: set[str]):
+    ``bounds[i]`` is exit ``i``'s prefix (blocks of the full architecture); exit ``i`` reads the
+    features after those blocks, brings them to the classifier's input through the next stages'
+    projection shortcuts (ReLU after each, as in a skipped block), pools and classifies.
+    """
+
+    def __init__(self, net: nn.Module, exits: nn.ModuleDict, bounds: list[int], depths: list[int], held: set[str], kd: bool):
         super().__init__()
-        self.net, self.exits, self.held = net, exits, held
+        self.net, self.exits, self.bounds, self.held, self.kd = net, exits, bounds, held, kd
+        starts = [sum(depths[:s]) for s in range(len(depths))]
+        self.trunk = [(starts[s] + j, block) for s, j, block in net.residual_blocks() if starts[s] + j < bounds[-1]]
+        self.firsts = {s: block for s, j, block in net.residual_blocks() if j == 0}
+        self.starts = starts
+
+    def _downsample(self, x: torch.Tensor, blocks: int) -> torch.Tensor:
+        for s, start in enumerate(self.starts):
+            if start >= blocks and getattr(self.firsts.get(s), "downsample", None) is not None:
+                x = F.relu(self.firsts[s].downsample(x))
+        return x
 
     def all_logits(self, x: torch.Tensor) -> list[torch.Tensor]:
-        # each exit right after its stage (not all stages first, as forward_intermediates
-        # would): the order of the backward pass, and so the float sums, stay those of the
-        # runs in benchmarks/README.md
+        """The logits of every exit, shallowest first."""
         x = self.net.forward_stem(x)
-        out = []
-        for info, head in zip(self.net.feature_info, self.exits):
-            x = self.net.get_submodule(info["module"])(x)
-            out.append(head(x))
+        out, t = [], 0
+        for head, bound in zip(self.exits.values(), self.bounds):
+            while t < len(self.trunk) and self.trunk[t][0] < bound:
+                x = self.trunk[t][1](x)
+                t += 1
+            out.append(head(self.net.forward_head(self._downsample(x, bound), pre_logits=True)))
         return out
 
     def forward(self, x):
@@ -58,11 +101,8 @@ class _ExitsNet(LocalModel):
     def loss(self, x, y):
         logits = self.all_logits(x)
         loss = sum(F.cross_entropy(z, y) for z in logits)
-        if len(logits) > 1:  # mutual distillation: every exit learns from every other exit
-            probs = [F.softmax(z.detach(), 1) for z in logits]
-            for i, z in enumerate(logits):
-                log_p = F.log_softmax(z, 1)
-                loss = loss + sum(F.kl_div(log_p, probs[j], reduction="batchmean") for j in range(len(logits)) if j != i) / (len(logits) - 1)
+        if self.kd:
+            loss = loss + mutual_distillation(logits)
         return loss, logits[-1]
 
     def state(self):
@@ -71,27 +111,53 @@ class _ExitsNet(LocalModel):
         return out
 
 
-@register_method("depthfl", label="DepthFL")
+class _Ensemble(nn.Module):
+    """The mean softmax of every exit of one :class:`_ExitsNet`."""
+
+    def __init__(self, exits_net: _ExitsNet):
+        super().__init__()
+        self.exits_net = exits_net
+
+    def forward(self, x):
+        return torch.stack([F.softmax(z, 1) for z in self.exits_net.all_logits(x)]).mean(0)
+
+
+class DepthFLSettings(MethodSettings):
+    """``method_args`` of ``depthfl``."""
+
+    kd: bool = Field(True, description="mutual self-distillation among a client's exits")
+
+
+@register_method("depthfl", label="DepthFL", settings=DepthFLSettings)
 class DepthFL(NeFL):
-    """DepthFL (Kim et al.): one tier per stage prefix (``d1`` .. ``dS``); a client trains the
-    deepest prefix whose parameters (exits included) fit its largest allowed resource level."""
+    """DepthFL (Kim et al.) as the NeFL paper's baseline: submodel ``t`` of the run's spec is the
+    contiguous depth prefix whose parameter ratio is nearest ``t``'s ``gamma`` (its measured ratio
+    without one; ties: the shallower), with
+    its own exit classifier and BN. A client picks its submodel like NeFL's and trains the exits
+    of every submodel up to it, with cross-entropy at every exit plus mutual distillation.
+    Evaluated: every submodel at its own exit, and ``ensemble`` (the full submodel's exits'
+    mean softmax)."""
 
     def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
         super().__init__(spec, train, settings, **run)
         self._check_feature_maps()
-        self._widths = [info["num_chs"] for info in self.compiled.feature_info]
-        self.depth = {t: i + 1 for i, t in enumerate(self.tier_names)}
-        self._exit_entries = self._exit_slices()
+        self.exit_index = {t: i for i, t in enumerate(self.tier_names)}
         self.held = {t: self._held(t) for t in self.tier_names}
-        self.size = {t: sum(e.numel for e in self.held[t].values()) for t in self.tier_names}
 
     def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
-        depths = stage_depths(spec.model, tuple(sorted(spec.model_args.items())))
+        self.depths = list(stage_depths(spec.model, tuple(sorted(spec.model_args.items()))))
+        ratios = prefix_ratios(spec)
+        full = max(self.level_size.values())
+        #: per submodel, the residual blocks it keeps (its exit's position)
+        self.bounds = {
+            t.name: min(ratios, key=lambda b: (abs(ratios[b] - (t.gamma if t.gamma is not None else self.level_size[t.name] / full)), b))
+            for t in spec.tiers
+        }
         tiers = [
-            TierSpec(name=f"d{d}", steps=[[1.0 if s < d else 0.0] * n for s, n in enumerate(depths)], learnable_steps=False)
-            for d in range(1, len(depths) + 1)
+            TierSpec(name=t.name, gamma=t.gamma, steps=prefix_steps(self.depths, self.bounds[t.name]), learnable_steps=False)
+            for t in spec.tiers
         ]
-        return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["steps"])
+        return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["norm"])
 
     def _check_feature_maps(self) -> None:
         with torch.device("meta"):
@@ -100,42 +166,28 @@ class DepthFL(NeFL):
         if any(f.ndim != 4 for f in features):
             raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {self.run_spec.model}")
 
-    def _exits(self, depth: int) -> nn.ModuleList:
-        return nn.ModuleList(exit_head(c, self.compiled.num_classes) for c in self._widths[:depth])
+    def _exits(self, tiers: list[str]) -> nn.ModuleDict:
+        """Fresh exit classifiers of ``tiers``, keyed by their global index."""
+        return nn.ModuleDict({str(self.exit_index[t]): nn.Linear(self.compiled.num_features, self.compiled.num_classes) for t in tiers})
 
-    def _exit_slices(self) -> list[dict[str, SliceEntry]]:
-        """Per exit, the entries of its tensors (keys ``exits.{i}.*``)."""
-        with torch.device("meta"):
-            heads = self._exits(len(self._widths))
-        out = []
-        for i, head in enumerate(heads):
-            entries = {}
-            for mname, module in head.named_modules(prefix=f"{EXIT_PREFIX}.{i}"):
-                kind = "norm" if isinstance(module, nn.BatchNorm2d) else "weight"
-                for name, v in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-                    entries[f"{mname}.{name}"] = SliceEntry(f"{mname}.{name}", (), tuple(v.shape), kind, True)
-            out.append(entries)
-        return out
+    def exits_of(self, tier: str) -> list[str]:
+        """The submodels whose exits a client of ``tier`` trains (every one whose prefix ``tier``
+        contains), shallowest first."""
+        rank = {t: (self.bounds[t], i) for i, t in enumerate(self.tier_names)}
+        return sorted((t for t in self.tier_names if rank[t] <= rank[tier]), key=rank.__getitem__)
 
     def _held(self, tier: str) -> dict[str, SliceEntry]:
-        depth = self.depth[tier]
-        stages = [f"{info['module']}." for info in self.compiled.feature_info]
-        dropped = (*stages[depth:], f"{self.compiled.classifier}.")
-        out = {k: e for k, e in self.compiled[tier].slice_map.items() if not k.startswith(dropped)}
-        for entries in self._exit_entries[:depth]:
-            out.update(entries)
+        classifier = f"{self.compiled.classifier}."
+        out = {k: e for k, e in self.compiled[tier].slice_map.items() if not k.startswith(classifier)}
+        for i in (self.exit_index[t] for t in self.exits_of(tier)):
+            for name, shape in (("weight", (self.compiled.num_classes, self.compiled.num_features)), ("bias", (self.compiled.num_classes,))):
+                key = f"{EXIT_PREFIX}.{i}.{name}"
+                out[key] = SliceEntry(key, (), shape, "weight", True)
         return out
-
-    def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
-        level = self.largest(levels)
-        budget = self.level_size[level] / max(self.level_size.values()) * max(self.size.values())
-        fitting = [t for t in self.tier_names if self.size[t] <= budget]
-        tier = fitting[-1] if fitting else self.tier_names[0]
-        return Assignment(tier, (tier,))
 
     def init_global_state(self) -> dict[str, torch.Tensor]:
         state = self.compiled.init_global_state()
-        state.update({f"{EXIT_PREFIX}.{k}": v for k, v in self._exits(len(self._widths)).state_dict().items()})
+        state.update({f"{EXIT_PREFIX}.{k}": v for k, v in self._exits(self.tier_names).state_dict().items()})
         return state
 
     def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
@@ -143,16 +195,28 @@ class DepthFL(NeFL):
 
     def _model(self, tier: str, arrays: Mapping[str, torch.Tensor]) -> _ExitsNet:
         net = self.compiled[tier].build()
-        held = self.held[tier]
-        unused = [k for k in self.compiled[tier].slice_map if k not in held]
         prefix = f"{EXIT_PREFIX}."
+        unused = [k for k in self.compiled[tier].slice_map if k not in self.held[tier]]
         load_entries(net, {k: v for k, v in arrays.items() if not k.startswith(prefix)}, unused)
-        exits = self._exits(self.depth[tier])
+        names = self.exits_of(tier)
+        exits = self._exits(names)
         exits.load_state_dict({k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)})
-        return _ExitsNet(net, exits, set(held))
+        bounds = [self.bounds[t] for t in names]
+        return _ExitsNet(net, exits, bounds, self.depths, set(self.held[tier]), self.settings.kd)
 
     def local_model(self, assignment, arrays):
         return self._model(assignment.tier, arrays)
 
+    @property
+    def eval_names(self) -> list[str]:
+        return [*self.tier_names, ENSEMBLE]
+
     def eval_model(self, global_state, tier, data):
-        return self._model(tier, SliceMap(dict(self.held[tier])).extract(global_state)).eval()
+        """A submodel at its own exit; ``ensemble``: the deepest submodel's exits' mean softmax."""
+        name = max(self.tier_names, key=lambda t: (self.bounds[t], self.exit_index[t])) if tier == ENSEMBLE else tier
+        model = self._model(name, SliceMap(dict(self.held[name])).extract(global_state))
+        return _Ensemble(model) if tier == ENSEMBLE else model
+
+    def submodel_numel(self, tier: str) -> int:
+        return sum(e.numel for e in self.held[tier].values())
+

@@ -63,7 +63,7 @@ from ..aggregate import Update, check_update
 from ..client import fit
 from ..local import LocalModel
 from ..strategy import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, State, Strategy, register_method
-from .heterofl import recompute_bn
+from ..bn import recompute_bn
 
 log = logging.getLogger(__name__)
 

@@ -43,12 +43,25 @@ def nested_entry(inner: SliceEntry, outer: SliceEntry, key: str) -> SliceEntry:
     return SliceEntry(key, tuple(dims), inner.shape, inner.kind, inner.consistent)
 
 
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, alpha: float, temperature: float) -> torch.Tensor:
+    """FjORD's self-distillation loss of a narrower width:
+    ``(1 - alpha) * CE(student, y) + alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T))``
+    (batch mean; ``teacher`` is taken as a constant)."""
+    t = temperature
+    soft = F.softmax(teacher.detach() / t, 1)
+    kl = F.kl_div(F.log_softmax(student / t, 1), soft, reduction="batchmean")
+    return (1 - alpha) * F.cross_entropy(student, y) + alpha * t * t * kl
+
+
 class _OrderedDropoutLocal(LocalModel):
     """The client's widest submodel plus, per narrower width, its own norms and step sizes.
 
-    Every batch samples one width p of the client's set; a narrower width runs its slim module
-    with the shared weights taken as views of the widest module's (the first ceil(pK) units),
-    so its gradients land in the widest module's tensors.
+    Every batch samples one width p uniformly among the client's widths (every width up to its
+    maximum, the maximum last); a narrower width runs its slim module with the shared weights
+    taken as views of the widest module's (the first ceil(pK) units), so its gradients land in
+    the widest module's tensors. With self-distillation the widest width also takes a
+    cross-entropy step on every batch, and a sampled narrower width is trained towards its
+    soft labels (:func:`distillation_loss`), in one SGD step.
     """
 
     def __init__(self, method: "FjORD", assignment: Assignment, state: Mapping[str, torch.Tensor]):
@@ -56,11 +69,12 @@ class _OrderedDropoutLocal(LocalModel):
         compiled, top = method.compiled, assignment.tier
         self.net = compiled[top].build()
         load_entries(self.net, {k: v for k, v in state.items() if k in compiled[top].slice_map})
-        self.widths = [t for t in assignment.tiers if t != top]
+        narrower = [t for t in assignment.tiers if t != top]
+        self.widths = [*narrower, top]
         self.narrow = nn.ModuleList()
         self.views: list[dict[str, SliceEntry]] = []
         top_map = compiled[top].slice_map
-        for tier in self.widths:
+        for tier in narrower:
             sub = compiled[tier].build()
             own = {k: state[tier_key(k, tier)] for k, e in compiled[tier].slice_map.items() if not e.consistent}
             views = {k: nested_entry(e, top_map[k], k) for k, e in compiled[tier].slice_map.items() if e.consistent}
@@ -70,9 +84,16 @@ class _OrderedDropoutLocal(LocalModel):
                     p.requires_grad_(False)  # replaced by views of the widest module's tensors
             self.narrow.append(sub)
             self.views.append(views)
-        self.kd = method.settings.kd
+        self.settings = method.settings
 
-    def _narrow_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def sample_width(self) -> int:
+        """The index in :attr:`widths` of this batch's width, uniform (torch's RNG)."""
+        return int(torch.randint(len(self.widths), ()))
+
+    def width_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits of width ``widths[i]``."""
+        if i == len(self.widths) - 1:
+            return self.net(x)
         top = dict(self.net.named_parameters()) | dict(self.net.named_buffers())
         shared = {k: e.gather(top[k]) for k, e in self.views[i].items()}
         return torch.func.functional_call(self.narrow[i], shared, (x,))
@@ -81,21 +102,20 @@ class _OrderedDropoutLocal(LocalModel):
         return self.net(x)
 
     def loss(self, x, y):
-        i = int(torch.randint(len(self.widths) + 1, ()))
-        if i == len(self.widths):
-            logits = self.net(x)
+        i = self.sample_width()
+        if not self.settings.kd:
+            logits = self.width_forward(i, x)
             return F.cross_entropy(logits, y), logits
-        logits = self._narrow_forward(i, x)
-        loss = F.cross_entropy(logits, y)
-        if self.kd:
-            with torch.no_grad():
-                teacher = self.net(x)
-            loss = loss + F.kl_div(F.log_softmax(logits, 1), F.softmax(teacher, 1), reduction="batchmean")
-        return loss, logits
+        teacher = self.net(x)
+        loss = F.cross_entropy(teacher, y)
+        if i == len(self.widths) - 1:
+            return loss, teacher
+        logits = self.width_forward(i, x)
+        return loss + distillation_loss(logits, teacher, y, self.settings.kd_alpha, self.settings.kd_temperature), logits
 
     def state(self):
         out = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
-        for tier, sub, views in zip(self.widths, self.narrow, self.views):
+        for tier, sub, views in zip(self.widths[:-1], self.narrow, self.views):
             out.update({tier_key(k, tier): v.detach().clone() for k, v in sub.state_dict().items() if k not in views})
         return out
 
@@ -103,22 +123,25 @@ class _OrderedDropoutLocal(LocalModel):
 class FjORDSettings(MethodSettings):
     """``method_args`` of ``fjord``."""
 
-    kd: bool = Field(False, description="self-distillation from the client's widest submodel")
+    kd: bool = Field(True, description="self-distillation from the client's widest submodel (FjORD's)")
+    kd_alpha: float = Field(1.0, ge=0, le=1, description="weight of the distillation term against cross-entropy")
+    kd_temperature: float = Field(1.0, gt=0, description="softmax temperature of the distillation")
 
 
 @register_method("fjord", label="FjORD", settings=FjORDSettings)
 class FjORD(NeFL):
-    """FjORD (Horvath et al.): a client's maximum width is the largest its environment allows;
-    every local batch trains a width p <= max sampled from the allowed widths, with separate
-    BN per width; ``method_args.kd`` adds self-distillation from the maximum width
-    (alpha = T = 1)."""
+    """FjORD (Horvath et al.): a client's maximum width p_max is the largest its environment
+    allows; every local batch trains a width p <= p_max drawn uniformly from the run's widths
+    (every tier no larger than p_max, allowed or not), with separate BN per width; with
+    ``method_args.kd`` (the default) the widest width self-distils into the sampled one
+    (FjORD's alpha = T = 1)."""
 
     def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
         return width_spec(spec, ["steps", "norm"])
 
     def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
         top = self.largest(levels)
-        widths = tuple(t for t in self.tier_names if t in levels and self.level_size[t] <= self.level_size[top])
+        widths = tuple(t for t in self.tier_names if self.level_size[t] <= self.level_size[top])
         return Assignment(top, widths)
 
     def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Mapping
 
-import torch
-from pydantic import Field
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ...slim import SliceEntry
 from ...spec import SubmodelSpec, TierSpec
 from ..local import SubmodelLocal, load_entries
-from ..strategy import MethodSettings, register_method
+from ..strategy import register_method
 from .nefl import Assignment, NeFL
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:
-    """Width-only tiers with the parameter ratios of ``spec``'s tiers and fixed step sizes."""
+    """Width-only tiers with the parameter ratios of ``spec``'s tiers and fixed step sizes: a
+    width-only tier keeps its ``gamma_w`` (the same widths as NeFL-W), a tier that skips blocks
+    takes its nominal ``gamma`` as width ratio."""
+    def skips(t: TierSpec) -> bool:
+        return t.steps is not None and any(v == 0 for stage in t.steps for v in stage)
+
     tiers = [
-        TierSpec(name=t.name, gamma_w=t.gamma if t.gamma is not None else t.gamma_w, learnable_steps=False, gamma=t.gamma)
+        TierSpec(name=t.name, gamma_w=t.gamma if skips(t) and t.gamma is not None else t.gamma_w, learnable_steps=False,
+                 gamma=t.gamma, channel_multiple=t.channel_multiple)
         for t in spec.tiers
     ]
-    return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=inconsistent)
+    return SubmodelSpec(model=spec.model, model_args=spec.model_args, channel_multiple=spec.channel_multiple, tiers=tiers,
+                        inconsistent=inconsistent)
 
 
 class _ScaledLocal(SubmodelLocal):
@@ -45,21 +48,15 @@ class _ScaledLocal(SubmodelLocal):
         return {k: v for k, v in super().state().items() if not k.endswith(_STATS)}
 
 
-class HeteroFLSettings(MethodSettings):
-    """``method_args`` of ``heterofl``."""
-
-    bn_recompute_batches: int = Field(20, ge=1, description="training batches for the static BN statistics")
-
-
-@register_method("heterofl", label="HeteroFL", settings=HeteroFLSettings)
+@register_method("heterofl", label="HeteroFL")
 class HeteroFL(NeFL):
     """HeteroFL (Diao et al.): shared BN affine, static BN, scaler, count-averaged slices.
 
     A client trains the width its environment gives it (``environment: fixed``: one width per
     client, HeteroFL's static setting; ``dynamic``: a random allowed width each round, as in
     HeteroFL's dynamic experiments and NeFL's comparison, so every width is trained). BN running
-    statistics are not trained or sent; before evaluation they are recomputed on
-    ``bn_recompute_batches`` training batches without the scaler, as at test time.
+    statistics are not trained or sent, so evaluation always recomputes them (``eval.bn_batches``
+    training batches, without the scaler, as at test time), whatever ``eval.bn`` says.
     """
 
     def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
@@ -77,22 +74,5 @@ class HeteroFL(NeFL):
         load_entries(net, arrays)
         return _ScaledLocal(net, self._rate(assignment.tier))
 
-    def eval_model(self, global_state, tier, data):
-        net = self.compiled[tier].load(global_state)
-        generator = torch.Generator().manual_seed(self.seed)
-        loader = DataLoader(data.train_eval, batch_size=self.train_config.batch_size, shuffle=True, generator=generator)
-        recompute_bn(net, itertools.islice(loader, self.settings.bn_recompute_batches))
-        return net.eval()
-
-
-@torch.no_grad()
-def recompute_bn(net: nn.Module, batches) -> None:
-    """Static BN: reset every BN's statistics and recompute them as a cumulative average."""
-    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for m in norms:
-        m.reset_running_stats()
-        m.momentum = None
-    net.train()
-    for x, _ in batches:
-        net(x)
-    net.eval()
+    def with_bn(self, model, treatment, data):
+        return super().with_bn(model, "recompute", data)

@@ -87,8 +87,13 @@ class NeFL(CompiledStrategy):
         return SubmodelLocal(net)
 
     def eval_model(self, global_state: Mapping[str, torch.Tensor], tier: str, data) -> nn.Module:
-        """The model evaluated for ``tier`` (``data``: the run's datasets)."""
+        """The model evaluated as ``tier`` (one of :attr:`eval_names`; ``data``: the run's datasets)."""
         return self.compiled[tier].load(global_state)
+
+    @property
+    def eval_names(self) -> list[str]:
+        """The models evaluated: every submodel (a method may add others, e.g. an ensemble)."""
+        return self.tier_names
 
     # -- hooks ------------------------------------------------------------------------------
     def init_global_state(self) -> State:
@@ -128,12 +133,18 @@ class NeFL(CompiledStrategy):
         return Aggregate(state, len(updates) - len(invalid), rejected + invalid)
 
     def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
+        """Accuracy of every model of :attr:`eval_names` under every BN treatment of
+        ``eval_bn``, as ``TREATMENT/NAME``; the submodels' under the first treatment also by name."""
         if self.eval_per_client:
             return {}
-        return {
-            tier: evaluate(self.eval_model(global_state, tier, data), data.test, self.eval_batch_size)
-            for tier in self.tier_names
-        }
+        out = {}
+        for treatment in self.eval_bn:
+            for name in self.eval_names:
+                model = self.with_bn(self.eval_model(global_state, name, data), treatment, data)
+                out[f"{treatment}/{name}"] = evaluate(model, data.test, self.eval_batch_size)
+                if treatment == self.eval_bn[0] and name in self.tier_names:
+                    out[name] = out[f"{treatment}/{name}"]
+        return out
 
     def configure_evaluate(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
         """With ``eval.per_client``: every client receives the submodel of its largest allowed
