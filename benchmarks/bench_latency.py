@@ -16,9 +16,9 @@ gamma >= 0.2, and latency increasing with the tier's MACs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
-import statistics
 import subprocess
 import tempfile
 import time
@@ -33,7 +33,7 @@ from nefl_zoo.profile import profile_tiers
 from nefl_zoo.runtime import session_from_bytes
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import load_spec, resolve_spec_path
-from nefl_zoo.timing import median_ms
+from nefl_zoo.timing import interleaved_median_ms
 
 SPECS = (
     "resnet56/nefl-wd", "resnet56/nefl-wd-aligned", "resnet110/nefl-wd", "resnet110/nefl-wd-aligned",
@@ -56,13 +56,12 @@ def bench_spec(name: str, batches: list[int], reps: int, runs: int, workdir: Pat
     for batch in batches:
         x = torch.randn(batch, *size)
         feed = {INPUT_NAME: x.numpy()}
-        times = {(tier, rt): [] for tier in modules for rt in ("ort", "eager")}
+        fns = {}
+        for tier in modules:
+            fns[tier, "ort"] = functools.partial(sessions[tier].run, None, feed)
+            fns[tier, "eager"] = functools.partial(modules[tier], x)
         with torch.inference_mode():
-            for _ in range(reps):
-                for tier in modules:
-                    times[tier, "ort"].append(median_ms(lambda: sessions[tier].run(None, feed), runs))
-                    times[tier, "eager"].append(median_ms(lambda: modules[tier](x), runs))
-        ms = {key: statistics.median(v) for key, v in times.items()}
+            ms = interleaved_median_ms(fns, reps, runs, warmup=1)
         largest = max(profiles.values(), key=lambda p: p.macs).name
         for tier, p in profiles.items():
             row = dict(spec=name, tier=tier, gamma=p.gamma, batch=batch, macs=p.macs, macs_ratio=p.macs_ratio)

@@ -18,6 +18,11 @@ from .spec import SubmodelSpec, TierSpec
 Mode = Literal["balanced", "width", "depth"]
 TOLERANCE = 0.01  # relative
 ALIGNED_TOLERANCE = 0.02  # relative, with channel_multiple > 1 (widths move in steps)
+
+
+def tolerance_for(channel_multiple: int) -> float:
+    """Relative tolerance of a tier's parameter ratio: 1%, or 2% with aligned widths."""
+    return TOLERANCE if channel_multiple == 1 else ALIGNED_TOLERANCE
 MIN_BALANCED_GAMMA = 0.005**2  # below it, balanced mode's width ratio round(sqrt(gamma), 2) is 0
 
 
@@ -66,7 +71,7 @@ def _width_search(name: str, model_args: dict, target: float, full: int, multipl
 
 def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, full: int, multiple: int):
     """Kept-prefix length per stage: the most balanced within tolerance, else the closest."""
-    tolerance = TOLERANCE if multiple == 1 else ALIGNED_TOLERANCE
+    tolerance = tolerance_for(multiple)
     base, blocks = _block_params(_meta_model(name, model_args, gamma_w, multiple))
     prefix = [list(itertools.accumulate(stage)) for stage in blocks]
     best = None
@@ -88,7 +93,7 @@ def _balanced_search(name: str, model_args: dict, gamma: float, full: int, multi
     """``gamma_w ~ sqrt(gamma)`` and the depth for the rest. With aligned widths the rounded
     width may not leave the depth search a solution; then the other widths are tried, nearest
     ``gamma_w`` first (0.01 grid), until one lands within tolerance, else the closest is kept."""
-    tolerance = TOLERANCE if multiple == 1 else ALIGNED_TOLERANCE
+    tolerance = tolerance_for(multiple)
     start = round(math.sqrt(gamma), 2)
     best, seen = None, set()
     grid = sorted(range(1, 101), key=lambda k: abs(k - start * 100))
@@ -128,7 +133,7 @@ def auto_tier(
         )
     full = count_params(_meta_model(model, model_args))
     name = name or f"g{gamma:g}"
-    tolerance = TOLERANCE if channel_multiple == 1 else ALIGNED_TOLERANCE
+    tolerance = tolerance_for(channel_multiple)
     if gamma == 1:
         steps, gamma_w, ratio = None, 1.0, 1.0
     elif mode == "width":

@@ -255,11 +255,11 @@ def test_pad_channels_auto_keeps_the_faster_file_and_records_both(tmp_path, monk
     block = cpu_channel_block()
     timed = []
 
-    def fake_interleaved(sessions, feed, runs):  # the padded variant is faster, the plain one 2 ms
-        timed.append(sorted(sessions))
-        return {a: 1.0 if a > 1 else 2.0 for a in sessions}
+    def fake_interleaved(fns, rounds, warmup_rounds):  # the padded variant is faster, the plain one 2 ms
+        timed.append(sorted(fns))
+        return {a: 1.0 if a > 1 else 2.0 for a in fns}
 
-    monkeypatch.setattr(export_tiers_module, "_interleaved_ms", fake_interleaved)
+    monkeypatch.setattr(export_tiers_module, "interleaved_median_ms", fake_interleaved)
     compiled = compile_spec(parse_spec(ODD))
     manifest = export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, channel_align="auto")
     assert timed == [[1, block], [1]]  # the full tier's widths are aligned already: nothing to pad
@@ -278,3 +278,15 @@ def test_cli_export_pad_channels_values(tmp_path):
     assert bad.exit_code == 2 and bad.stderr.strip() == "error: --pad-channels: expected auto or a whole number >= 1, got 'x8'"
     zero = runner.invoke(app, ["export", "resnet20/none", "--out", str(tmp_path / "x"), "--pad-channels", "0"])
     assert zero.exit_code == 2 and "expected auto or a whole number >= 1, got '0'" in zero.stderr
+
+
+def test_interleaved_timing_runs_every_function_in_turn_and_skips_warmup_rounds(monkeypatch):
+    from nefl_zoo import timing
+
+    calls = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock) / 2)  # each timed call: 500 ms
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    assert timing.interleaved_median_ms(fns, rounds=3, runs=2, warmup=1, warmup_rounds=1) == {"a": 500.0, "b": 500.0}
+    # 1 untimed round + 3 timed ones, each: per function 1 warm-up call and 2 timed calls, a then b
+    assert calls == (["a"] * 3 + ["b"] * 3) * 4

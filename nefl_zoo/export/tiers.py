@@ -10,9 +10,9 @@ writing it; the next export into the same folder removes staging folders whose e
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ from ..datasets import CLASS_NAMES, NORMALIZATION
 from ..files import atomic_write
 from ..manifest import MANIFEST_NAME, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers
-from ..timing import median_ms
+from ..timing import interleaved_median_ms
 from .onnx_file import (
     INPUT_NAME,
     MIN_OPSET,
@@ -114,7 +114,8 @@ def _export_tier(
         diff = check_parity(name, session, x, reference)
         variants[align] = (file, model, opset, sha256, session, diff)
     feed = {INPUT_NAME: torch.randn(options.batch, *input_size, generator=generator).numpy()}
-    runs = _interleaved_ms({a: v[4] for a, v in variants.items()}, feed, options.latency_runs)
+    runs = interleaved_median_ms({a: functools.partial(v[4].run, None, feed) for a, v in variants.items()},
+                                 options.latency_runs, warmup_rounds=2)
     align = min(runs, key=runs.get)
     file, model, opset, sha256, _, diff = variants[align]
     for other, (other_file, *_) in variants.items():
@@ -129,18 +130,6 @@ def _export_tier(
         sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
         align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None,
     )
-
-
-def _interleaved_ms(sessions: dict, feed: dict, runs: int) -> dict:
-    """Median ms of each session over ``runs`` rounds that run every session once in turn (two
-    warm-up rounds first), so a change of machine load hits all of them alike."""
-    times = {key: [] for key in sessions}
-    for round_ in range(runs + 2):
-        for key, session in sessions.items():
-            ms = median_ms(lambda: session.run(None, feed), 1, warmup=0)
-            if round_ >= 2:
-                times[key].append(ms)
-    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def export_tiers(
