@@ -61,7 +61,7 @@ def main() -> None:
             result = engine.run(overwrite=True)
             elapsed = time.perf_counter() - start
             # the same global state evaluated with the averaged BN statistics (the paper as written)
-            averaged = load_config(CONFIG, [*args.overrides, f"seed={seed}", *extra, "method_args.bn_recompute_batches=null"])
+            averaged = load_config(CONFIG, [*args.overrides, f"seed={seed}", *extra, "eval.bn=running"])
             acc_averaged = averaged.build_strategy().evaluate(cfg.rounds, engine.state, engine.data)
             runs[kind].append({"acc": result.acc, "acc_averaged_bn": acc_averaged, "time_s": elapsed,
                                "bytes_up": result.bytes_up, "bytes_down": result.bytes_down})
@@ -77,7 +77,7 @@ def main() -> None:
     pre_acc = _mean_std([a for a, _ in pretrain])
     labels = {"random": "random init (seed)", "pretrained": f"pre-trained ({args.pretrain_epochs} epochs; alone: class {pre_acc})"}
     for kind, results in runs.items():
-        for key, bn in (("acc", f"recomputed ({base.method_args.get('bn_recompute_batches', 20)} batches, default)"),
+        for key, bn in (("acc", f"recomputed ({base.eval.bn_batches} batches, eval.bn: recompute)"),
                         ("acc_averaged_bn", "averaged (the paper as written)")):
             cells = [_mean_std([r[key][t] for r in results]) for t in tasks]
             wall = f"{statistics.mean(r['time_s'] for r in results):.1f}" if key == "acc" else "same runs"

@@ -48,7 +48,7 @@ def engine_overhead(rounds: int) -> dict:
         # the same clients and submodels the engine will use in round r
         jobs = []
         for cid, instruction in strategy.configure_train(r + 1, engine.state, engine.clients).items():
-            net = strategy.compiled[instruction.config["tier"]].build()
+            net = strategy.compiled[instruction.level].build()
             net.load_state_dict(instruction.arrays)
             jobs.append((cid, net))
         start = time.perf_counter()

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,7 +90,8 @@ def simulation(rounds: int, out: Path, threads: int, parallel: bool) -> dict:
 
 def deployment(rounds: int, out: Path, threads: int) -> dict:
     from nefl_zoo.fl.config import load_config
-    from nefl_zoo.fl.flower.local import LocalDeployment
+    sys.path.insert(0, str(ROOT))  # tests/support: test-only process management, not in the package
+    from tests.support.deployment import LocalDeployment
 
     clients = load_config(CONFIG).clients.num_clients
     load = os.getloadavg()[0]

@@ -1,9 +1,10 @@
 """One-line errors with exit code 2 for bad input.
 
 Every command is registered through :func:`guarded`, so that nothing but a one-line
-``error: ...`` (exit 2), a command's documented exit 1, or click's own usage errors reaches
-the user: whatever escapes a command body (a ``ValueError`` naming a file and field, an
-``OSError``, ``MemoryError``, an unexpected exception) is printed as one line. Set
+``error: ...`` (exit 2) or a command's documented exit 1 reaches the user: whatever escapes a
+command body (a ``ValueError`` naming a file and field, an ``OSError``, ``MemoryError``, an
+unexpected exception) is printed as one line, and click's usage errors (a bad option value,
+an unknown option) are turned into one line by the app's group (:func:`usage_message`). Set
 ``NEFL_ZOO_TRACEBACK=1`` to see the traceback of an unexpected one instead.
 """
 
@@ -14,7 +15,9 @@ import functools
 import os
 from typing import Callable, Iterator, TypeVar
 
+import click
 import typer
+from typer._types import TyperChoice  # typer's Choice, which matches an Enum by its value
 
 USAGE_ERROR = 2
 TRACEBACK_ENV = "NEFL_ZOO_TRACEBACK"
@@ -48,6 +51,27 @@ def require_budget(**options: float | None) -> None:
     for name, value in options.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise fail(f"--{name.replace('_', '-')}: must be a finite number >= 0, got {value:g}")
+
+
+class Choice(TyperChoice):
+    """The choice type of an ``Enum`` option, whose refusal reads like the project's other
+    errors: ``expected embedded or flower, got 'ray'``."""
+
+    def get_invalid_choice_message(self, value, ctx) -> str:
+        names = [self.normalize_choice(c, ctx) for c in self.choices]
+        expected = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
+        return f"expected {expected}, got {value!r}"
+
+
+def usage_message(exc: click.UsageError) -> str:
+    """One line for a click usage error: ``--OPTION: what is wrong`` for a bad value, else
+    click's message and where the options are listed."""
+    param = getattr(exc, "param", None)
+    if isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter) and param is not None:
+        name = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+        return f"{name}: {_one_line(exc.message)}"
+    where = f" (`{exc.ctx.command_path} --help` lists the options)" if exc.ctx is not None else ""
+    return _one_line(exc.format_message()) + where
 
 
 def describe(exc: BaseException) -> str:
@@ -96,4 +120,4 @@ def user_errors(*types: type[BaseException]) -> Iterator[None]:
         raise fail(describe(exc)) from None
 
 
-__all__ = ["fail", "guarded", "require_budget", "require_positive", "user_errors", "USAGE_ERROR"]
+__all__ = ["Choice", "fail", "guarded", "usage_message", "require_budget", "require_positive", "user_errors", "USAGE_ERROR"]

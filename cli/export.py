@@ -2,68 +2,133 @@
 
 from __future__ import annotations
 
-import json
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .console import console
-from .errors import fail, guarded, require_budget, require_positive, user_errors
+from nefl_zoo.datasets import NORMALIZATION
+
+from .console import console, json_option, print_json, stdout_to_stderr
+from .errors import Choice, fail, guarded, require_budget, require_positive, user_errors
 
 NO_FIT = 1  # exit code of `select` when no tier meets the budget
 
 
+class Precision(str, Enum):
+    """The precisions of a tier's files (nefl_zoo.manifest.PRECISIONS)."""
+
+    fp32 = "fp32"
+    int8 = "int8"
+    fp16 = "fp16"
+
+
+class PadChannels(str, Enum):
+    """--pad-channels: auto, or the multiple inner channel counts are padded to (1: none)."""
+
+    auto = "auto"
+    none = "1"
+    x4 = "4"
+    x8 = "8"
+    x16 = "16"
+    x32 = "32"
+    x64 = "64"
+
+
+Dataset = Enum("Dataset", {name: name for name in NORMALIZATION}, type=str)  # datasets with a known normalisation
+
+
+class ChoiceList(Choice):
+    """A comma-separated list of choices (``fp32,int8``), each checked as one choice."""
+
+    name = "choice list"
+
+    def convert(self, value, param, ctx) -> list[str]:
+        if isinstance(value, (list, tuple)):
+            return [v.value if isinstance(v, Enum) else v for v in value]
+        return [super(ChoiceList, self).convert(part.strip(), param, ctx) for part in str(value).split(",")]
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join(str(c) for c in self.choices) + "],..."
+
+
+PRECISION_LIST = ChoiceList([p.value for p in Precision])
+
+
 def export(
     source: str = typer.Argument(..., help="training run directory, spec file or shipped spec name"),
-    out: Path = typer.Option(..., "--out", help="output directory, e.g. exports/NAME/"),
+    out: Path = typer.Option(..., "--out", "-o", help="output directory, e.g. exports/NAME/"),
     tiers: Optional[str] = typer.Option(None, help="comma-separated tier names (default: all)"),
+    precision: str = typer.Option(
+        "fp32", "--precision", click_type=PRECISION_LIST,
+        help="comma-separated precisions to ship per tier: fp32, int8 (static quantization, calibrated), "
+        "fp16; INT8/FP16 files that fail the check against FP32 are dropped with a warning",
+    ),
+    calibration: Optional[Path] = typer.Option(
+        None, help="folder of images INT8 is calibrated on (default: the run's training images)"
+    ),
+    calibration_images: int = typer.Option(256, help="run sources: training images INT8 is calibrated on"),
     opset: Optional[int] = typer.Option(None, help="ONNX opset (default: the exporter's)"),
     batch_dynamic: bool = typer.Option(
         True, "--batch-dynamic/--no-batch-dynamic", help="dynamic batch dimension, or fixed to --batch"
     ),
     batch: int = typer.Option(1, help="batch the latency is measured at (the fixed batch with --no-batch-dynamic)"),
     pretrained: Optional[str] = typer.Option(None, help="spec sources: weights file or torchvision:/timm: name"),
-    dataset: Optional[str] = typer.Option(None, help="normalisation and class names (default: the run's dataset)"),
+    dataset: Optional[Dataset] = typer.Option(None, help="normalisation and class names (default: the run's dataset)"),
     seed: int = typer.Option(0, help="spec sources without --pretrained: seed of the random weights"),
     latency_runs: int = typer.Option(20, help="timed runs per tier (median)"),
     threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the latency (default: per core)"),
-    pad_channels: str = typer.Option(
-        "auto",
+    pad_channels: PadChannels = typer.Option(
+        PadChannels.auto,
         help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths); "
         "auto: export each tier plain and padded to the CPU kernels' block, keep the faster",
     ),
+    as_json: bool = json_option(),
 ) -> None:
-    """Export every tier to one verified .onnx file each, plus manifest.json."""
-    from nefl_zoo.export import DATASETS, ExportError, export_tiers, load_source
+    """Export every tier to one verified .onnx file per precision, plus manifest.json."""
+    from nefl_zoo.export import ExportError, export_tiers, load_source
     from nefl_zoo.spec import SpecError
 
-    require_positive(batch=batch, latency_runs=latency_runs, threads=threads)
-    align = _pad_channels(pad_channels)
+    require_positive(batch=batch, latency_runs=latency_runs, threads=threads, calibration_images=calibration_images)
     if out.exists() and not out.is_dir():
         raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
-    if dataset is not None and dataset not in DATASETS:
-        raise fail(f"--dataset: unknown {dataset!r}; one of {', '.join(DATASETS)}")
     names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
-    with user_errors(SpecError):
+    warnings: list[str] = []
+
+    def warn(message: str) -> None:
+        warnings.append(message)
+        typer.echo(f"warning: {message}", err=True)
+
+    with user_errors(SpecError), stdout_to_stderr(as_json):
         src = load_source(source, pretrained=pretrained, seed=seed)
+        name = dataset.value if dataset else src.dataset
+        images = _calibration_images(calibration, src.compiled.input_size, name) if calibration else None
         try:
             manifest = export_tiers(
-                src, out, tiers=names, opset=opset, batch_dynamic=batch_dynamic, batch=batch,
-                dataset=dataset, latency_runs=latency_runs, threads=threads, channel_align=align,
+                src, out, tiers=names, opset=opset, batch_dynamic=batch_dynamic, batch=batch, dataset=name,
+                latency_runs=latency_runs, threads=threads,
+                channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value),
+                precisions=precision, calibration=images, calibration_source=str(calibration),
+                calibration_images=calibration_images, warn=warn,
             )
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
+    if as_json:
+        print_json({"manifest_path": str(out / "manifest.json"), "warnings": warnings, "manifest": manifest.model_dump(mode="json")})
+        return
     from rich.table import Table
 
     table = Table(
-        "tier", "file", "params", "MACs ratio", "max |diff|", f"latency ms (batch {batch})", "BN folded", "padded to"
+        "tier", "precision", "file", "MB", "params", "MACs ratio", "accuracy", "max |diff|",
+        f"latency ms (batch {batch})", "BN folded", "padded to",
     )
     for t in manifest.tiers:
         tried = ", ".join(f"{a}: {ms:.3f} ms" for a, ms in (t.channel_align_ms or {}).items())
         table.add_row(
-            t.name, t.file, f"{t.params:,}", f"{t.macs_ratio:.3f}", f"{t.max_abs_diff:.1e}",
+            t.name, t.precision, t.file, f"{t.weights_mb:.3f}", f"{t.params:,}", f"{t.macs_ratio:.3f}",
+            "-" if t.accuracy is None else f"{t.accuracy:.4f}", f"{t.max_abs_diff:.1e}",
             f"{t.latency.median_ms:.3f}", "yes" if t.batchnorm_folded else "no",
             ("-" if t.channel_align == 1 else str(t.channel_align)) + (f" (auto; {tried})" if tried else ""),
         )
@@ -71,155 +136,157 @@ def export(
     typer.echo(f"wrote {out / 'manifest.json'}")
 
 
-def _pad_channels(value: str):
-    """``--pad-channels``: ``auto`` or a whole number >= 1 (exit 2 otherwise)."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise fail(f"--pad-channels: expected auto or a whole number >= 1, got {value!r}")
-    return int(value)
+def _calibration_images(folder: Path, shape, dataset: str | None):
+    """The images of ``--calibration FOLDER``, normalised as the manifest will say."""
+    from nefl_zoo.images import image_files, load_images
+
+    norm = NORMALIZATION.get(dataset) if dataset else None
+    try:
+        return load_images(image_files(folder), shape, *(norm or (None, None)))
+    except ValueError as exc:
+        raise fail(f"--calibration: {exc}") from None
 
 
 def select(
     manifest: Path = typer.Argument(..., help="manifest.json or the export directory"),
-    latency_ms: Optional[float] = typer.Option(None, help="latency budget (ms, as measured at export)"),
+    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", "--max-ms", help="latency budget (ms, as measured at export)"),
+    max_mb: Optional[float] = typer.Option(None, "--max-mb", help="file size budget (MB of the .onnx file)"),
     max_macs: Optional[float] = typer.Option(None, help="MACs budget"),
     max_params: Optional[float] = typer.Option(None, help="parameter budget"),
     max_memory_mb: Optional[float] = typer.Option(None, help="memory budget (MB: weights + activations)"),
     batch: int = typer.Option(1, help="batch for the memory estimate"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    precision: Optional[str] = typer.Option(
+        None, "--precision", click_type=PRECISION_LIST, help="comma-separated precisions to choose from (default: all)"
+    ),
+    as_json: bool = json_option(),
 ) -> None:
-    """Pick the most accurate (else largest) tier within the budget, and say why."""
+    """Pick the most accurate (else largest) tier and precision within the budget, and say why."""
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import NoTierFits, TierRuntime
 
-    require_budget(latency_ms=latency_ms, max_macs=max_macs, max_params=max_params, max_memory_mb=max_memory_mb)
+    require_budget(latency_ms=latency_ms, max_mb=max_mb, max_macs=max_macs, max_params=max_params, max_memory_mb=max_memory_mb)
     require_positive(batch=batch)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest)
         try:
-            choice = runtime.select(latency_ms, max_macs, max_params, max_memory_mb, batch=batch)
+            choice = runtime.select(
+                latency_ms, max_macs, max_params, max_memory_mb, batch=batch, max_file_mb=max_mb, precisions=precision or None
+            )
         except NoTierFits as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(NO_FIT) from None
     if as_json:
-        typer.echo(json.dumps({"tier": choice.tier, "reason": choice.reason, "fitting": list(choice.fitting)}))
+        print_json({
+            "tier": choice.tier, "precision": choice.precision, "label": choice.label,
+            "file": runtime.manifest.tier(choice.label).file, "reason": choice.reason, "fitting": list(choice.fitting),
+        })
     else:
         typer.echo(choice.reason)
-
-
-def _load_image(path: Path, shape: list[int]):
-    """An image as a float32 (C, H, W) array in [0, 1]; ``ValueError`` on a wrong size or mode.
-
-    The size and mode come from the file's header and are checked before any pixel is
-    decoded, so a decompression bomb (a small file declaring a huge image) is refused unread.
-    """
-    import warnings
-
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    channels, height, width = shape
-    mode = {1: "L", 3: "RGB"}.get(channels)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            with Image.open(path) as image:  # reads the header only
-                size, found = image.size, image.mode
-                if size != (width, height) or found != mode:
-                    raise ValueError(
-                        f"{path}: image is {size[0]}x{size[1]} {found}; the model takes "
-                        f"{width}x{height} {mode or f'{channels}-channel'} (resize/convert it first)"
-                    )
-                image.load()
-                array = np.asarray(image, dtype=np.float32) / 255.0
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise ValueError(
-                f"{path}: image declares more pixels than PIL decodes safely; the model takes {width}x{height}"
-            ) from None
-        except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-            raise ValueError(f"{path}: not a readable image ({exc.__class__.__name__})") from None
-    return array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
 
 
 def predict(
     manifest: Path = typer.Argument(..., help="manifest.json or the export directory"),
     images: list[Path] = typer.Argument(..., help="image files of the model's input size and mode"),
-    tier: str = typer.Option("auto", help="tier name, or auto (most accurate, else largest)"),
+    tier: str = typer.Option("auto", help="tier name (or NAME:PRECISION), or auto (most accurate, else largest)"),
+    precision: Optional[Precision] = typer.Option(
+        None, help="the precision of the file to run (default: FP32, or the tier's only file; with auto, chosen among)"
+    ),
     top_k: int = typer.Option(5, help="classes printed per image"),
+    as_json: bool = json_option(),
 ) -> None:
     """Classify images with one tier and print the top-k classes."""
     import numpy as np
 
+    from nefl_zoo.images import load_images
     from nefl_zoo.manifest import ManifestError
-    from nefl_zoo.runtime import TierRuntime
+    from nefl_zoo.runtime import NoTierFits, TierRuntime, run_in_chunks
 
     require_positive(top_k=top_k)
-    with user_errors(ManifestError):
+    with user_errors(ManifestError, NoTierFits):
         runtime = TierRuntime(manifest)
-        name = runtime.resolve(tier)
+        if tier == "auto" and precision is not None:
+            runtime.select(precisions=[precision.value])
+        label = runtime.resolve(tier, precision.value if precision is not None and tier != "auto" else None)
+        entry = runtime.manifest.tier(label)
         spec = runtime.manifest.input
-        batch = np.stack([_load_image(p, spec.shape) for p in images])
-        if spec.normalization is not None:
-            mean = np.asarray(spec.normalization.mean, dtype=np.float32)[:, None, None]
-            std = np.asarray(spec.normalization.std, dtype=np.float32)[:, None, None]
-            batch = (batch - mean) / std
-        logits = _run_in_chunks(runtime, batch, name)
+        norm = spec.normalization
+        batch = load_images(images, spec.shape, norm.mean if norm else None, norm.std if norm else None)
+        logits = run_in_chunks(lambda b: runtime.run(b, label), batch, spec.batch)
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
     classes = runtime.manifest.class_names
-    for path, p in zip(images, probs):
-        typer.echo(f"{path} (tier {name}):")
-        for index in np.argsort(-p)[:top_k]:
-            label = classes[index] if classes else f"class {index}"
-            typer.echo(f"  {p[index]:.4f}  {label} ({index})")
-
-
-def _run_in_chunks(runtime, batch, tier: str):
-    """Logits of ``batch``; a fixed-batch export runs chunks of its batch, zero-padded."""
-    import numpy as np
-
-    fixed = runtime.manifest.input.batch
-    if fixed is None:
-        return runtime.run(batch, tier)
-    out = []
-    for start in range(0, len(batch), fixed):
-        chunk = batch[start : start + fixed]
-        padded = np.concatenate([chunk, np.zeros((fixed - len(chunk), *chunk.shape[1:]), chunk.dtype)])
-        out.append(runtime.run(padded, tier)[: len(chunk)])
-    return np.concatenate(out)
+    results = [
+        {"image": str(path), "top": [
+            {"class": int(i), "label": classes[i] if classes else None, "probability": float(p[i])}
+            for i in np.argsort(-p)[:top_k]
+        ]}
+        for path, p in zip(images, probs)
+    ]
+    if as_json:
+        print_json({"tier": entry.name, "precision": entry.precision, "label": label, "predictions": results})
+        return
+    for result in results:
+        typer.echo(f"{result['image']} (tier {label}):")
+        for top in result["top"]:
+            name = top["label"] if top["label"] is not None else f"class {top['class']}"
+            typer.echo(f"  {top['probability']:.4f}  {name} ({top['class']})")
 
 
 def bench_tiers(
     manifest: Path = typer.Argument(..., help="manifest.json or the export directory"),
     batch: int = typer.Option(1, help="batch size"),
-    runs: int = typer.Option(10, help="timed runs per tier (median)"),
+    runs: int = typer.Option(10, help="timed runs per tier (median; every file timed in turn, interleaved)"),
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: per core)"),
+    precision: Optional[str] = typer.Option(
+        None, "--precision", click_type=PRECISION_LIST, help="comma-separated precisions to measure (default: all)"
+    ),
+    as_json: bool = json_option(),
 ) -> None:
-    """Measure every tier's onnxruntime latency on this machine, as a table."""
-    from rich.table import Table
-
+    """Measure every tier's onnxruntime latency on this machine, at every precision."""
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import TierRuntime
 
     require_positive(batch=batch, runs=runs, threads=threads)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest, threads=threads)
-        runtime.check_memory(batch)  # every tier, before measuring any
-        latencies = {t.name: runtime.benchmark(t.name, batch, runs) for t in runtime.manifest.tiers}
-    largest = max(runtime.manifest.tiers, key=lambda t: t.macs)
+        entries = runtime.entries(precision or None)
+        labels = [t.label for t in entries]
+        runtime.check_memory(batch, labels)  # every file, before measuring any
+        latencies = runtime.benchmark_many(labels, batch, runs)
+    largest = max(entries, key=lambda t: (t.macs, t.precision == "fp32", t.weights_mb))
+    fp32 = {t.name: latencies[t.label] for t in entries if t.precision == "fp32"}
+    rows = [
+        {
+            "tier": t.name, "precision": t.precision, "label": t.label, "gamma": t.gamma, "macs": t.macs,
+            "macs_ratio": t.macs_ratio, "file_mb": t.weights_mb, "memory_mb": t.memory_mb(batch),
+            "accuracy": t.accuracy, "latency_ms": latencies[t.label],
+            "latency_ratio": latencies[t.label] / latencies[largest.label],
+            "vs_fp32": latencies[t.label] / fp32[t.name] if t.name in fp32 else None,
+            "export_ms": t.latency.median_ms,
+        }
+        for t in entries
+    ]
+    if as_json:
+        print_json({
+            "model": runtime.manifest.model, "batch": batch, "runs": runs, "threads": threads,
+            "reference": largest.label, "tiers": rows,
+        })
+        return
+    from rich.table import Table
+
     table = Table(
-        "tier", "gamma", "MACs", "MACs ratio", "memory MB", "latency ms", "latency ratio", "at export",
+        "tier", "precision", "gamma", "MACs", "MACs ratio", "file MB", "memory MB", "latency ms", "latency ratio",
+        "vs FP32", "at export",
         title=f"{runtime.manifest.model}, batch {batch}: median of {runs} runs, "
         f"{threads or 'default'} onnxruntime threads",
-        caption=f"ratios against {largest.name}; memory: weights + activations x batch; at export: "
-        f"ms at batch {largest.latency.batch} on {largest.latency.machine.processor}",
+        caption=f"ratios against {largest.label}; vs FP32: against the tier's FP32 file; memory: weights + "
+        f"activations x batch; at export: ms at batch {largest.latency.batch} on {largest.latency.machine.processor}",
     )
-    for t in runtime.manifest.tiers:
+    for r in rows:
         table.add_row(
-            t.name, "" if t.gamma is None else f"{t.gamma:g}", f"{t.macs / 1e6:,.2f}M", f"{t.macs_ratio:.3f}",
-            f"{t.memory_mb(batch):.2f}", f"{latencies[t.name]:.3f}",
-            f"{latencies[t.name] / latencies[largest.name]:.3f}", f"{t.latency.median_ms:.3f}",
+            r["tier"], r["precision"], "" if r["gamma"] is None else f"{r['gamma']:g}", f"{r['macs'] / 1e6:,.2f}M",
+            f"{r['macs_ratio']:.3f}", f"{r['file_mb']:.3f}", f"{r['memory_mb']:.2f}", f"{r['latency_ms']:.3f}",
+            f"{r['latency_ratio']:.3f}", "" if r["vs_fp32"] is None else f"{r['vs_fp32']:.3f}", f"{r['export_ms']:.3f}",
         )
     console().print(table)
 

@@ -1,16 +1,26 @@
-"""``nefl-zoo train`` and ``nefl-zoo compare``: nested federated training on the embedded engine."""
+"""``nefl-zoo train``, ``compare`` and ``methods``: nested federated training, in process or on
+Flower's simulation engine."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
-import contextlib
-
 import typer
 
+from .console import json_option, print_json, stdout_to_stderr
 from .errors import fail, guarded, require_positive, user_errors
 from .progress import RichProgress
+
+
+class EngineName(str, Enum):
+    """Where ``train`` runs: in this process, or on Flower's simulation engine."""
+
+    embedded = "embedded"
+    flower = "flower"
 
 
 def _setup(threads: int | None) -> None:
@@ -31,14 +41,16 @@ def train(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary table"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in the run directory"),
-    engine_name: str = typer.Option("embedded", "--engine", help="embedded (in process) or flower (Flower's simulation engine; needs the flower extra)"),
+    engine_name: EngineName = typer.Option(
+        EngineName.embedded, "--engine", help="embedded (in process) or flower (Flower's simulation engine; needs the flower extra)"
+    ),
+    as_json: bool = json_option(),
 ) -> None:
-    """Train one method on one configuration; write metrics, checkpoints and the global state."""
+    """Train one method on one configuration; write metrics, checkpoints and the global state.
+    With --json: no progress bar; the final accuracies and bytes moved as JSON."""
     if config is None and resume is None:
         raise fail("give a CONFIG file or --resume RUN_DIR")
-    if engine_name not in ("embedded", "flower"):
-        raise fail(f"--engine: expected embedded or flower, got {engine_name!r}")
-    flower = _flower() if engine_name == "flower" else None
+    flower = _flower() if engine_name is EngineName.flower else None
     require_positive(threads=threads)
     _setup(threads)
     from nefl_zoo.fl.config import ConfigError, apply_overrides, load_config, parse_config
@@ -54,11 +66,13 @@ def train(
             cfg = load_config(config, set_)
             run_dir = out or Path("runs") / f"{cfg.name}-{cfg.method}-s{cfg.seed}"
         _check_folder("--resume" if resume is not None else "--out", run_dir)
-        with RichProgress() if not quiet else contextlib.nullcontext() as progress:
+        with RichProgress() if not (quiet or as_json) else contextlib.nullcontext() as progress, stdout_to_stderr(as_json):
             if flower is not None:
-                flower.simulate(cfg, run_dir, resume=resume is not None, overwrite=overwrite, observer=progress, threads=threads)
+                result = flower.simulate(cfg, run_dir, resume=resume is not None, overwrite=overwrite, observer=progress, threads=threads)
             else:
-                Engine(cfg, run_dir).run(resume=resume is not None, overwrite=overwrite, observer=progress)
+                result = Engine(cfg, run_dir).run(resume=resume is not None, overwrite=overwrite, observer=progress)
+    if as_json:
+        print_json({"method": cfg.method, "name": cfg.name, "run_dir": str(run_dir), **asdict(result)})
 
 
 def _flower():
@@ -82,14 +96,16 @@ def compare(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
     jobs: int = typer.Option(1, "--jobs", help="runs at a time, each in its own process (no progress bars)"),
+    as_json: bool = json_option(),
 ) -> None:
     """Run several methods x seeds on one setup; write results.md (Table 1 layout, both BN
-    treatments, NeFL's paired differences) and a plot."""
+    treatments, NeFL's paired differences) and a plot. With --json: no progress bars; every
+    run's result and the files written as JSON."""
     require_positive(seeds=seeds, threads=threads, jobs=jobs)
     _setup(threads)
+    from nefl_zoo.fl import registered_methods
     from nefl_zoo.fl.compare import compare_methods, parse_entry
     from nefl_zoo.fl.config import MAX_SEED, ConfigError, load_config
-    from nefl_zoo.fl.strategy import registered_methods
     from nefl_zoo.spec import SpecError
 
     known = registered_methods()
@@ -109,7 +125,13 @@ def compare(
             raise fail(f"--seeds: seeds {cfg.seed}..{cfg.seed + seeds - 1} go past {MAX_SEED}; lower seed or --seeds")
         folder = out or Path("runs") / f"compare-{cfg.name}"
         _check_folder("--out", folder)
-        result = compare_methods(cfg, names, seeds, folder, None if quiet or jobs > 1 else RichProgress, jobs=jobs, threads=threads)
+        with stdout_to_stderr(as_json):
+            progress = None if quiet or as_json or jobs > 1 else RichProgress
+            result = compare_methods(cfg, names, seeds, folder, progress, jobs=jobs, threads=threads)
+    if as_json:
+        runs = {key: [asdict(r) for r in rs] for key, rs in result.runs.items()}
+        print_json({"out": str(folder), "results_md": str(result.results_md), "plot": str(result.plot), "runs": runs})
+        return
     typer.echo(result.markdown)
     typer.echo(f"wrote {result.results_md} and {result.plot}")
 
@@ -123,19 +145,30 @@ def _check_folder(option: str, path: Path) -> None:
             return
 
 
-def methods() -> None:
-    """List the registered FL methods with their ``method_args`` and defaults."""
-    from rich.table import Table
+def methods(as_json: bool = json_option()) -> None:
+    """List the registered FL methods with their method_args and defaults."""
+    from nefl_zoo.fl import registered_methods
 
-    from nefl_zoo.fl.strategy import registered_methods
+    rows = [
+        {
+            "method": name,
+            "label": cls.label,
+            "method_args": cls.Settings().model_dump(mode="json"),
+            "description": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", ""),
+        }
+        for name, cls in registered_methods().items()
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    from rich.table import Table
 
     from .console import console
 
     table = Table("method", "label", "method_args (defaults)", "description")
-    for name, cls in registered_methods().items():
-        args = ", ".join(f"{k}: {f.default}" for k, f in cls.Settings.model_fields.items()) or "none"
-        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
-        table.add_row(name, cls.label, args, summary)
+    for r in rows:
+        args = ", ".join(f"{k}: {v}" for k, v in r["method_args"].items()) or "none"
+        table.add_row(r["method"], r["label"], args, r["description"])
     console().print(table)
 
 

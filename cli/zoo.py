@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from enum import Enum
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from .console import console
+from .console import console, json_option, print_json, stdout_to_stderr
 from .errors import fail, guarded, require_positive, user_errors
 
 
@@ -18,7 +17,10 @@ class Format(str, Enum):
     table = "table"
     markdown = "markdown"
     csv = "csv"
-    json = "json"
+    json = "json"  # deprecated: --json
+
+
+FORMAT_JSON_NOTE = "note: --format json is deprecated and will be removed; use --json (the same output)"
 
 
 class Mode(str, Enum):
@@ -27,60 +29,83 @@ class Mode(str, Enum):
     depth = "depth"
 
 
-def models() -> None:
+def models(as_json: bool = json_option()) -> None:
     """List the zoo's models with their stages and full-size parameter counts."""
     import torch
-    from rich.table import Table
 
     from nefl_zoo.models import count_params, create_model, list_models, model_info
 
-    table = Table("model", "blocks per stage", "params", "input", "description")
+    rows = []
     for name in list_models():
         with torch.device("meta"):
             m = create_model(name)
+        rows.append({
+            "model": name,
+            "blocks_per_stage": list(m.stage_depths),
+            "params": count_params(m),
+            "input_size": list(m.default_cfg["input_size"]),
+            "description": model_info(name).summary,
+        })
+    if as_json:
+        print_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table("model", "blocks per stage", "params", "input", "description")
+    for r in rows:
         table.add_row(
-            name,
-            "/".join(map(str, m.stage_depths)),
-            f"{count_params(m) / 1e6:.2f}M",
-            "x".join(map(str, m.default_cfg["input_size"])),
-            model_info(name).summary,
+            r["model"], "/".join(map(str, r["blocks_per_stage"])), f"{r['params'] / 1e6:.2f}M",
+            "x".join(map(str, r["input_size"])), r["description"],
         )
     console().print(table)
 
 
-def specs() -> None:
-    """List the specs shipped in ``specs/``."""
-    from rich.table import Table
-
+def specs(as_json: bool = json_option()) -> None:
+    """List the shipped specs (the specs/ folder, or NEFL_ZOO_SPECS) and their tiers."""
     from nefl_zoo.spec import SpecError, load_spec, shipped_specs_dir
 
     root = shipped_specs_dir()
-    table = Table("spec", "model", "tiers (nominal gamma)")
+    rows = []
     for path in sorted(root.glob("*/*.yaml")):
         if path.parent.name == "train":
             continue
+        name = str(path.relative_to(root).with_suffix(""))
         try:
             spec = load_spec(path)
         except SpecError as exc:
-            table.add_row(str(path.relative_to(root).with_suffix("")), "[red]invalid[/]", str(exc))
+            rows.append({"spec": name, "error": str(exc)})
             continue
-        tiers = ", ".join(t.name if t.gamma is None else f"{t.name} ({t.gamma:g})" for t in spec.tiers)
-        table.add_row(str(path.relative_to(root).with_suffix("")), spec.model, tiers)
+        rows.append({"spec": name, "model": spec.model, "tiers": [{"name": t.name, "gamma": t.gamma} for t in spec.tiers]})
+    if as_json:
+        print_json(rows)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table("spec", "model", "tiers (nominal gamma)")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["spec"], "[red]invalid[/]", escape(r["error"]))
+            continue
+        tiers = ", ".join(t["name"] if t["gamma"] is None else f"{t['name']} ({t['gamma']:g})" for t in r["tiers"])
+        table.add_row(r["spec"], r["model"], tiers)
     console().print(table)
 
 
-def schema() -> None:
+def schema(as_json: bool = typer.Option(False, "--json", help="accepted like every command's --json; the schema is JSON either way")) -> None:
     """Print the JSON Schema of spec files (for editor completion)."""
     from nefl_zoo.spec import json_schema
 
-    typer.echo(json.dumps(json_schema(), indent=2))
+    print_json(json_schema())
 
 
 def build(
     model: Optional[str] = typer.Argument(None, help="zoo model (optional with --spec)"),
     gamma: Optional[float] = typer.Option(None, help="target parameter ratio in (0, 1] (default 1)"),
     mode: Mode = typer.Option(Mode.balanced, help="how to reach gamma"),
-    channel_multiple: int = typer.Option(1, help="round every width to a multiple of N (1: the paper's rule)"),
+    channel_multiple: Optional[int] = typer.Option(
+        None, help="round every width to a multiple of N (1: the paper's rule; default: the model's, 8 for mobile families)"
+    ),
     latency_ms: Optional[float] = typer.Option(
         None, help="instead of --gamma: the largest tier within this onnxruntime latency here (measured)"
     ),
@@ -89,8 +114,10 @@ def build(
     spec: Optional[Path] = typer.Option(None, help="spec file or shipped spec name"),
     tier: Optional[str] = typer.Option(None, help="tier of --spec"),
     pretrained: Optional[str] = typer.Option(None, help="weights file or torchvision:/timm: name"),
-    out: Optional[Path] = typer.Option(None, help="write weights (.safetensors) and tier spec (.yaml)"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="write the weights to this .safetensors file and the tier spec beside it (.yaml)"
+    ),
+    as_json: bool = json_option(),
 ) -> None:
     """Build a physically slimmed submodel and say what it is."""
     from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
@@ -107,7 +134,7 @@ def build(
     if out is not None:
         _check_out(out)
     note = ""
-    with user_errors(SpecError):
+    with user_errors(SpecError), stdout_to_stderr(as_json):  # an exporter's progress lines (--latency-ms)
         if spec is not None:
             if latency_ms is not None:
                 raise fail("--latency-ms: builds a tier of a MODEL, not one of --spec")
@@ -150,7 +177,7 @@ def build(
     if measured is not None:
         report |= {"latency_ms": measured.latency_ms, "budget_ms": latency_ms, "batch": batch, "threads": threads}
     if as_json:
-        typer.echo(json.dumps(report | ({"note": note} if note else {})))
+        print_json(report | ({"note": note} if note else {}))
         return
     blocks = "/".join(map(str, report["blocks_per_stage"]))
     typer.echo(
@@ -248,10 +275,11 @@ def _write_submodel(out: Path, slim, spec, tier: str) -> None:
 
 def profile(
     spec: str = typer.Argument(..., help="spec file or shipped spec name (e.g. resnet110/nefl-wd)"),
-    fmt: Format = typer.Option(Format.table, "--format", help="output format"),
+    fmt: Format = typer.Option(Format.table, "--format", help="table format (json: deprecated, use --json)"),
     by_module: bool = typer.Option(False, "--by-module", help="per-module MACs and parameters"),
     latency: bool = typer.Option(False, "--latency", help="measure median CPU latency per tier"),
     batch: int = typer.Option(64, help="batch size for --latency"),
+    as_json: bool = json_option(),
 ) -> None:
     """Parameters, MACs (and latency) of every tier of a spec, as a table for papers."""
     from nefl_zoo import profile as prof
@@ -259,6 +287,11 @@ def profile(
     from nefl_zoo.spec import SpecError, load_spec, resolve_spec_path
 
     require_positive(batch=batch)
+    if as_json and fmt not in (Format.table, Format.json):
+        raise fail(f"--json: prints JSON; leave out --format {fmt.value}")
+    if fmt is Format.json:
+        typer.echo(FORMAT_JSON_NOTE, err=True)
+    fmt = Format.json if as_json else fmt
     with user_errors(SpecError):
         sub = load_spec(resolve_spec_path(spec))
         compiled = compile_spec(sub)
@@ -295,7 +328,7 @@ def _print_by_module(compiled, fmt: Format) -> None:
             for k, v in macs.items()
         ]
     if fmt is Format.json:
-        typer.echo(json.dumps(records, indent=2))
+        print_json(records)
     elif fmt is Format.csv:
         typer.echo("tier,module,params,macs")
         for r in records:

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from .models import NestedNet, count_params, create_model
+from .models.registry import default_channel_multiple
 from .spec import SubmodelSpec, TierSpec
 
 Mode = Literal["balanced", "width", "depth"]
@@ -72,10 +73,13 @@ def _width_search(name: str, model_args: dict, target: float, full: int, multipl
 def _depth_search(name: str, model_args: dict, gamma_w: float, target: float, full: int, multiple: int):
     """Kept-prefix length per stage: the most balanced within tolerance, else the closest."""
     tolerance = tolerance_for(multiple)
-    base, blocks = _block_params(_meta_model(name, model_args, gamma_w, multiple))
+    model = _meta_model(name, model_args, gamma_w, multiple)
+    base, blocks = _block_params(model)
     prefix = [list(itertools.accumulate(stage)) for stage in blocks]
+    fixed = model.fixed_blocks()  # a kept prefix holds every block that cannot be skipped
+    least = [1 + max((j for s_, j in fixed if s_ == s), default=0) for s in range(len(blocks))]
     best = None
-    for kept in itertools.product(*(range(1, len(stage) + 1) for stage in blocks)):
+    for kept in itertools.product(*(range(least[s], len(stage) + 1) for s, stage in enumerate(blocks))):
         ratio = (base + sum(prefix[s][k - 1] for s, k in enumerate(kept))) / full
         fractions = [k / len(stage) for k, stage in zip(kept, blocks)]
         miss = abs(ratio - target)
@@ -111,7 +115,7 @@ def _balanced_search(name: str, model_args: dict, gamma: float, full: int, multi
 
 
 def auto_tier(
-    model: str, gamma: float, mode: Mode = "balanced", name: str | None = None, channel_multiple: int = 1, **model_args
+    model: str, gamma: float, mode: Mode = "balanced", name: str | None = None, channel_multiple: int | None = None, **model_args
 ) -> AutoTier:
     """A tier of ``model`` whose measured parameter ratio is closest to ``gamma``.
 
@@ -119,7 +123,11 @@ def auto_tier(
     ``balanced`` narrows to ``gamma_w ~ sqrt(gamma)`` and removes blocks for the rest, so
     that gamma_W ~ gamma_D as in the NeFL paper. ``channel_multiple`` > 1 rounds every width
     to a multiple of it (:func:`~nefl_zoo.models.base.scale_width`); the tolerance is then 2%.
+    ``None``: the model's own rule (1, or 8 for the mobile families). Blocks the model cannot
+    skip (:meth:`~nefl_zoo.models.NestedNet.fixed_blocks`) are always kept.
     """
+    default_multiple = default_channel_multiple(model)
+    channel_multiple = default_multiple if channel_multiple is None else channel_multiple
     if not 0 < gamma <= 1:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     if mode not in ("balanced", "width", "depth"):
@@ -151,7 +159,8 @@ def auto_tier(
         f"closest is {ratio:.4f}"
     )
     tier = TierSpec(
-        name=name, gamma_w=gamma_w, steps=steps, gamma=gamma, channel_multiple=channel_multiple if channel_multiple > 1 else None
+        name=name, gamma_w=gamma_w, steps=steps, gamma=gamma,
+        channel_multiple=channel_multiple if channel_multiple != default_multiple else None,
     )
     return AutoTier(tier=tier, params_ratio=ratio, within_tolerance=within, note=note)
 
@@ -174,7 +183,7 @@ def latency_tier(
     batch: int = 1,
     threads: int | None = 1,
     mode: Mode = "balanced",
-    channel_multiple: int = 1,
+    channel_multiple: int | None = None,
     runs: int = 20,
     **model_args,
 ) -> LatencyTier:

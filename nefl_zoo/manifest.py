@@ -4,9 +4,10 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 1 (every field required unless marked nullable; every number finite)::
+Schema version 2 (every field required unless marked nullable or defaulted; every number
+finite); version 1 (before precisions) is read as well, every entry being FP32::
 
-    schema_version   1
+    schema_version   2 (1 is still read)
     model            zoo model name; model_args: its create_model kwargs
     source           what was exported (spec file or run directory)
     created_by       "nefl-zoo VERSION"
@@ -17,14 +18,20 @@ Schema version 1 (every field required unless marked nullable; every number fini
                      dataset (nullable)
     output           name, num_classes
     class_names      list (nullable)
-    tiers[]          name, file (relative to the manifest), sha256, params, params_ratio,
-                     macs, macs_ratio, gamma (nullable, nominal), gamma_w,
-                     blocks_per_stage, accuracy (nullable: test accuracy of the source run),
+    tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
+                     "fp16"; default fp32), file (relative to the manifest), sha256,
+                     params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
+                     gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
+                     (nullable: what accuracy was measured on; null = the source run's
+                     recorded test accuracy),
                      batchnorm_folded, channel_align (inner channels zero-padded to a
                      multiple of it; 1 = none), channel_align_ms (nullable: with
                      --pad-channels auto, the median ms of each alignment tried),
-                     max_abs_diff (onnxruntime vs PyTorch),
-                     weights_mb, activation_mb_per_sample,
+                     max_abs_diff (FP32: onnxruntime vs PyTorch; else vs the FP32 file),
+                     vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
+                     max_abs_diff, relative_error} against the tier's FP32 file),
+                     calibration (nullable; INT8: {method, images, source}),
+                     weights_mb (the file's bytes / 2**20), activation_mb_per_sample,
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
                      cpu_count, onnxruntime, provider}}
@@ -32,21 +39,27 @@ Schema version 1 (every field required unless marked nullable; every number fini
 A manifest is also checked for consistency when it is read: ``class_names`` has
 ``output.num_classes`` names, ``normalization`` one mean and one positive std per input
 channel, ``model_args`` (where it names them) agree with ``input.shape`` and
-``output.num_classes``, and tier names are unique.
+``output.num_classes``, and (tier, precision) pairs are unique.
+
+An entry is named by its *label*: the tier name for FP32, ``NAME:PRECISION`` otherwise
+(``g0.6``, ``g0.6:int8``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before precisions (every entry FP32)
 MANIFEST_NAME = "manifest.json"
+Precision = Literal["fp32", "int8", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class ManifestError(FileError):
@@ -60,6 +73,7 @@ class _Strict(BaseModel):
 Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 class Normalization(_Strict):
@@ -123,10 +137,28 @@ class Latency(_Strict):
     machine: Machine
 
 
+class Agreement(_Strict):
+    """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images."""
+
+    images: Positive
+    top1_agreement: Fraction = Field(description="share of images given the FP32 file's top-1 class")
+    max_abs_diff: NonNegative = Field(description="largest |logit difference|")
+    relative_error: NonNegative = Field(description="max_abs_diff / max(1, max |FP32 logit|)")
+
+
+class Calibration(_Strict):
+    """The images an INT8 file's activation ranges were calibrated on."""
+
+    method: str = Field(min_length=1)
+    images: Positive
+    source: str
+
+
 class TierEntry(_Strict):
-    """One exported tier: its file, what it costs and how it was checked."""
+    """One exported (tier, precision): its file, what it costs and how it was checked."""
 
     name: str = Field(min_length=1)
+    precision: Precision = "fp32"
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     params: Count
@@ -136,7 +168,8 @@ class TierEntry(_Strict):
     gamma: Annotated[float, Field(gt=0, le=1)] | None
     gamma_w: float = Field(gt=0, le=1)
     blocks_per_stage: list[Count]
-    accuracy: Annotated[float, Field(ge=0, le=1)] | None
+    accuracy: Fraction | None
+    accuracy_on: str | None = Field(None, description="what accuracy was measured on; null: the source run's record")
     batchnorm_folded: bool
     channel_align: Positive = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
     channel_align_ms: dict[str, NonNegative] | None = Field(
@@ -144,9 +177,16 @@ class TierEntry(_Strict):
         description="--pad-channels auto: median latency (ms) of each alignment tried, keyed by it; the faster was kept",
     )
     max_abs_diff: NonNegative
+    vs_fp32: Agreement | None = None
+    calibration: Calibration | None = None
     weights_mb: NonNegative
     activation_mb_per_sample: NonNegative
     latency: Latency
+
+    @property
+    def label(self) -> str:
+        """The entry's name: the tier's for FP32, else ``NAME:PRECISION``."""
+        return self.name if self.precision == "fp32" else f"{self.name}:{self.precision}"
 
     def memory_mb(self, batch: int = 1) -> float:
         """Estimated memory to run a batch: weights plus the largest activation per sample
@@ -157,7 +197,7 @@ class TierEntry(_Strict):
 class Manifest(_Strict):
     """All tiers of one exported model."""
 
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2]
     model: str
     model_args: dict[str, Any]
     source: str
@@ -183,19 +223,32 @@ class Manifest(_Strict):
                 raise field_error(field, f"{value} contradicts model_args.{key} = {given}")
         if "img_size" in self.model_args and height != width:
             raise field_error("input.shape", f"{height}x{width} is not square, but model_args.img_size is one size")
-        seen: set[str] = set()
+        labels: set[str] = set()
         for t, entry in enumerate(self.tiers):
-            if entry.name in seen:
-                raise field_error(f"tiers[{t}].name", f"duplicate tier name {entry.name!r}")
-            seen.add(entry.name)
+            if entry.label in labels:
+                raise field_error(f"tiers[{t}].name", f"duplicate tier name {entry.name!r} at precision {entry.precision}")
+            if self.schema_version == 1 and entry.precision != "fp32":
+                raise field_error(f"tiers[{t}].precision", "schema version 1 has FP32 entries only")
+            labels.add(entry.label)
         return self
 
-    def tier(self, name: str) -> TierEntry:
-        """The tier called ``name``; ``KeyError`` naming the known tiers otherwise."""
-        for entry in self.tiers:
-            if entry.name == name:
-                return entry
-        raise KeyError(f"unknown tier {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
+    def tier(self, name: str, precision: str | None = None) -> TierEntry:
+        """The entry of tier ``name`` at ``precision``; without one, the entry labelled
+        ``name`` (``g1``, ``g1:int8``), else the tier's only entry. ``KeyError`` naming what
+        exists otherwise."""
+        if precision is None:
+            for entry in self.tiers:
+                if entry.label == name:
+                    return entry
+        same = [t for t in self.tiers if t.name == name]
+        if not same:
+            names = dict.fromkeys(t.name for t in self.tiers)
+            raise KeyError(f"unknown tier {name!r}; tiers: {', '.join(names)}")
+        chosen = [t for t in same if t.precision == precision] if precision else same
+        if len(chosen) != 1:
+            have = ", ".join(t.precision for t in same)
+            raise KeyError(f"tier {name!r} has no {precision or 'fp32'} file; its precisions: {have}")
+        return chosen[0]
 
 
 def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
@@ -205,11 +258,12 @@ def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
     version = data.get("schema_version")
     if version is None:
         raise ManifestError(source, "schema_version", MISSING_KEY)
-    if version != SCHEMA_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise ManifestError(
             source,
             "schema_version",
-            f"unsupported version {version!r} (this nefl-zoo reads {SCHEMA_VERSION}; re-export or upgrade nefl-zoo)",
+            f"unsupported version {version!r} (this nefl-zoo reads {readable}; re-export or upgrade nefl-zoo)",
         )
     try:
         return Manifest.model_validate(data)

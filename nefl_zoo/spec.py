@@ -1,11 +1,12 @@
 """Declarative submodel specs: pydantic models, YAML loading and errors that name the field.
 
 A spec names a zoo model and its tiers. Each tier has a width parameter ratio ``gamma_w``
-(channels become ``ceil(C * sqrt(gamma_w))``; with ``channel_multiple`` m > 1, set for the spec
-or per tier, ``C * sqrt(gamma_w)`` rounded to the nearest multiple of m, not below 90% of it, at
-most C) and per-block step sizes ``steps`` (one list per stage, one entry per block, 0 = block
-removed). ``inconsistent`` lists the parameter kinds kept per tier (``steps``, ``norm``); the
-rest are shared by all tiers.
+(with ``channel_multiple`` m, set for the spec or per tier, channels become ``ceil(C *
+sqrt(gamma_w))`` for m = 1, else ``C * sqrt(gamma_w)`` rounded to the nearest multiple of m, not
+below 90% of it, at most C; unset, m is the model's own rule: 1 for the ResNets and ViTs, 8 for
+the edge families) and per-block step sizes ``steps`` (one list per stage, one entry per block,
+0 = block removed). ``inconsistent`` lists the parameter kinds kept per tier (``steps``,
+``norm``); the rest are shared by all tiers.
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ class SubmodelSpec(BaseModel):
 
     model: str = Field(description="registered zoo model, see `nefl-zoo models`")
     model_args: dict[str, Any] = Field(default_factory=dict, description="create_model kwargs")
-    channel_multiple: int = Field(
-        1, ge=1, le=1024,
+    channel_multiple: int | None = Field(
+        None, ge=1, le=1024,
         description="round every scaled width to a multiple of this (1: the paper's ceil(C*sqrt(gamma_w)); "
-        "8: hardware-aligned; see nefl_zoo.models.base.scale_width)",
+        "8: hardware-aligned; see nefl_zoo.models.base.scale_width); default: the model's own rule "
+        "(1 for the ResNets and ViTs, 8 for the MobileNets, EfficientNet and ShuffleNets)",
     )
     tiers: list[TierSpec] = Field(min_length=1)
     inconsistent: list[Inconsistent] = Field(
@@ -121,6 +123,10 @@ class SubmodelSpec(BaseModel):
                         )
             if not any(v for stage in tier.steps for v in stage):
                 raise field_error(f"{where}.steps", "every block is skipped; keep at least one")
+            try:  # the tier's arguments against the model's constraints (e.g. blocks that cannot be skipped)
+                check_model_args(self.model, self.model_args | self.tier_args(tier))
+            except ModelArgsError as exc:
+                raise field_error(f"{where}.{exc.field}" if exc.field else where, exc.message) from None
         return self
 
     def tier(self, name: str) -> TierSpec:
@@ -132,7 +138,11 @@ class SubmodelSpec(BaseModel):
 
     def tier_args(self, tier: TierSpec) -> dict[str, Any]:
         """The per-tier ``create_model`` arguments of ``tier``: width ratio, channel multiple, steps."""
-        multiple = self.channel_multiple if tier.channel_multiple is None else tier.channel_multiple
+        from .models.registry import default_channel_multiple
+
+        multiple = next((m for m in (tier.channel_multiple, self.channel_multiple) if m is not None), None)
+        if multiple is None:
+            multiple = default_channel_multiple(self.model)
         return {"gamma_w": tier.gamma_w, "channel_multiple": multiple, "steps": tier.steps}
 
     @property

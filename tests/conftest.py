@@ -47,3 +47,55 @@ def vit_spec():
             ],
         }
     )
+
+
+def tiny(**overrides):
+    """A quick run config: resnet20 on 8x8 digits, three width tiers, four clients, four rounds.
+    ``a__b=v`` sets nested key ``a.b``."""
+    from nefl_zoo.fl.config import parse_config
+
+    data = {
+        "name": "tiny", "method": "nefl", "rounds": 4,
+        "spec": {
+            "model": "resnet20", "model_args": {"in_chans": 1, "img_size": 8},
+            "tiers": [{"name": "g0.25", "gamma_w": 0.25}, {"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}],
+        },
+        "data": {"dataset": "digits", "augment": False},
+        "clients": {"num_clients": 4, "fraction": 1.0},
+        "train": {"local_epochs": 2, "batch_size": 32, "lr": 0.1, "schedule": "constant"},
+        "eval": {"every": 2},
+        "checkpoint_every": 2,
+    }
+    for key, value in overrides.items():
+        node = data
+        *parents, last = key.split("__")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return parse_config(data)
+
+
+def crash_in_round(config, out, monkeypatch, round_index: int = 2) -> None:
+    """Run ``config`` into ``out`` until a simulated crash at the start of round ``round_index``
+    (0-based; the default: after two rounds)."""
+    from nefl_zoo.fl.engine import Engine
+
+    original = Engine.run_round
+
+    def dies(self, index):
+        if index == round_index:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self, index)
+
+    monkeypatch.setattr(Engine, "run_round", dies)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(config, out).run()
+    monkeypatch.setattr(Engine, "run_round", original)
+
+
+def same_tensors(a_dir, b_dir, name: str = "global.safetensors") -> bool:
+    """Whether two run directories hold the same tensors (keys, dtypes, values) in ``name``."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(a_dir / name)), load_file(str(b_dir / name))
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)

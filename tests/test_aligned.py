@@ -242,7 +242,9 @@ import nefl_zoo.export.tiers as export_tiers_module  # noqa: E402
 from nefl_zoo.export import ExportSource, export_tiers  # noqa: E402
 from nefl_zoo.export.onnx_file import cpu_channel_block  # noqa: E402
 
-ODD = {"model": "resnet20", "tiers": [{"name": "odd", "gamma_w": 0.3}, {"name": "full"}]}  # 9/18/36 channels
+# 9/18/36 channels and 16/32/64; one block per stage (every width still in the graph) keeps the exports quick
+ONE_BLOCK = [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+ODD = {"model": "resnet20", "tiers": [{"name": "odd", "gamma_w": 0.3, "steps": ONE_BLOCK}, {"name": "full", "steps": ONE_BLOCK}]}
 
 
 def _conv_outputs(path):
@@ -275,9 +277,9 @@ def test_pad_channels_auto_keeps_the_faster_file_and_records_both(tmp_path, monk
 def test_cli_export_pad_channels_values(tmp_path):
     runner = CliRunner()
     bad = runner.invoke(app, ["export", "resnet20/none", "--out", str(tmp_path / "x"), "--pad-channels", "x8"])
-    assert bad.exit_code == 2 and bad.stderr.strip() == "error: --pad-channels: expected auto or a whole number >= 1, got 'x8'"
+    assert bad.exit_code == 2 and bad.stderr.strip() == "error: --pad-channels: expected auto, 1, 4, 8, 16, 32 or 64, got 'x8'"
     zero = runner.invoke(app, ["export", "resnet20/none", "--out", str(tmp_path / "x"), "--pad-channels", "0"])
-    assert zero.exit_code == 2 and "expected auto or a whole number >= 1, got '0'" in zero.stderr
+    assert zero.exit_code == 2 and "expected auto, 1, 4, 8, 16, 32 or 64, got '0'" in zero.stderr
 
 
 def test_interleaved_timing_runs_every_function_in_turn_and_skips_warmup_rounds(monkeypatch):

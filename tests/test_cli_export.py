@@ -85,7 +85,7 @@ def test_export_with_a_fixed_batch(spec_file, tmp_path, image):
     "args, message",
     [
         (["--tiers", "g0.25,huge"], "unknown tier 'huge'; tiers: g0.25, g0.5, g1"),
-        (["--dataset", "mnist"], "--dataset: unknown 'mnist'; one of cifar10"),
+        (["--dataset", "mnist"], "--dataset: expected cifar10, cifar100, svhn, cinic10 or imagefolder, got 'mnist'"),
         (["--batch", "0"], "--batch: must be >= 1"),
         (["--opset", "17"], "opset: the torch.export-based exporter writes opset 18 or later, got 17"),
     ],
@@ -230,7 +230,7 @@ def test_predict_refuses_decompression_bombs_from_the_header(export_dir, tmp_pat
 def test_stale_staging_folders_of_killed_exports_are_removed(tmp_path):
     import fcntl
 
-    from nefl_zoo.export.tiers import remove_stale_staging
+    from nefl_zoo.export.staging import remove_stale_staging
 
     dead, live = tmp_path / ".export-dead", tmp_path / ".export-live"
     for folder in (dead, live):

@@ -1,8 +1,11 @@
-"""``nefl-zoo train`` and ``nefl-zoo compare`` end to end on a tiny digits setup."""
+"""``nefl-zoo train``, ``compare`` and ``methods`` end to end on a tiny digits setup (their
+``--json`` output included: each run happens once, here)."""
 
 import json
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -11,38 +14,52 @@ from nefl_zoo_cli.app import app
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "specs/train/digits-quick.yaml")
+# 2 of 8 clients per round (about 170 digits each), one local epoch, 8x8 inputs, 50 test
+# images, BN statistics recomputed from one batch: seconds per run, every code path kept
 TINY = [
-    "--set", "rounds=2", "--set", "clients.num_clients=4", "--set", "clients.fraction=0.5",
+    "--set", "rounds=2", "--set", "clients.num_clients=8", "--set", "clients.fraction=0.25",
     "--set", "train.local_epochs=1", "--set", "eval.every=1", "--set", "checkpoint_every=1",
-    "--set", "spec.model_args.img_size=8", "--set", "data.max_test_samples=100", "--quiet",
+    "--set", "spec.model_args.img_size=8", "--set", "data.max_test_samples=50", "--set", "eval.bn_batches=1",
+    "--quiet",
 ]
 runner = CliRunner()
 
 
-def test_train_writes_an_exportable_run_dir_and_resumes(tmp_path):
-    out = tmp_path / "run"
-    result = runner.invoke(app, ["train", QUICK, "--out", str(out), *TINY])
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One finished 1-round run: its directory and what ``train --json`` printed."""
+    out = tmp_path_factory.mktemp("train") / "run"
+    result = runner.invoke(app, ["train", QUICK, "-o", str(out), *TINY, "--set", "rounds=1", "--json"])
     assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def test_train_writes_an_exportable_run_dir_prints_its_summary_and_resumes(run):
+    out, printed = run
     for name in ("spec.yaml", "global.safetensors", "metrics.jsonl", "metrics.csv", "config.yaml", "checkpoint.json"):
         assert (out / name).exists(), name
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert set(last["acc"]) == {"g0.2", "g0.4", "g0.6", "g0.8", "g1"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert printed == {"method": "nefl", "name": "digits-quick", "run_dir": str(out), **summary}
+    assert printed["acc"] == last["acc"] and printed["rounds"] == 1
 
-    result = runner.invoke(app, ["train", "--resume", str(out), "--set", "rounds=3", "--quiet"])
+    result = runner.invoke(app, ["train", "--resume", str(out), "--set", "rounds=2", "--quiet"])
     assert result.exit_code == 0, result.output
     rounds = [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rounds == [1, 2, 3]
+    assert rounds == [1, 2]
 
 
-def test_train_refuses_to_replace_an_existing_run(tmp_path):
+def test_train_refuses_to_replace_an_existing_run(run, tmp_path):
     out = tmp_path / "run"
-    assert runner.invoke(app, ["train", QUICK, "--out", str(out), *TINY]).exit_code == 0
+    shutil.copytree(run[0], out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     result = runner.invoke(app, ["train", QUICK, "--out", str(out), *TINY])
     assert result.exit_code == 2
     assert result.output.strip() == f"error: {out}: already holds a run; continue it with --resume {out}, or choose another --out (--overwrite replaces it)"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # saved state untouched
-    assert runner.invoke(app, ["train", QUICK, "--out", str(out), "--overwrite", *TINY]).exit_code == 0
+    assert runner.invoke(app, ["train", QUICK, "--out", str(out), "--overwrite", *TINY, "--set", "rounds=1"]).exit_code == 0
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_train_bad_input_is_one_line_exit_2(tmp_path):
@@ -54,6 +71,7 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
         ["train", QUICK, "--set", "data.dataset=cifar10", "--set", "data.root=" + str(tmp_path)],
         ["train", "--resume", str(tmp_path)],
         ["train"],
+        ["train", QUICK, "--engine", "ray"],
         ["compare", QUICK, "--methods", "nefl,bogus"],
         ["train", QUICK, "--threads", "0"],
         ["compare", QUICK, "--seeds", "0"],
@@ -65,9 +83,9 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.output)
 
 
-def test_compare_writes_table_and_plot(tmp_path):
-    result = runner.invoke(app, ["compare", QUICK, "--methods", "nefl,fedprox,fedlps", "--seeds", "2", "--out", str(tmp_path), *TINY,
-                                 "--set", "rounds=1"])
+def test_compare_writes_table_and_plot_and_prints_every_runs_summary(tmp_path):
+    result = runner.invoke(app, ["compare", QUICK, "--methods", "nefl,fedprox,fedlps", "--seeds", "2", "-o", str(tmp_path), *TINY,
+                                 "--set", "rounds=1", "--json"])
     assert result.exit_code == 0, result.output
     table = (tmp_path / "results.md").read_text()
     assert "| Model | Method | Worst | Avg |" in table
@@ -76,12 +94,23 @@ def test_compare_writes_table_and_plot(tmp_path):
     png = (tmp_path / "comparison.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert sorted(p.name for p in (tmp_path / "nefl").iterdir()) == ["seed0", "seed1"]
+    printed = json.loads(result.stdout)
+    assert printed == {"out": str(tmp_path), "results_md": str(tmp_path / "results.md"), "plot": str(tmp_path / "comparison.png"),
+                       "runs": json.loads((tmp_path / "results.json").read_text())}
+    assert list(printed["runs"]) == ["nefl", "fedprox", "fedlps"]
+    for key, runs in printed["runs"].items():
+        assert runs == [json.loads((tmp_path / key / f"seed{s}" / "summary.json").read_text()) for s in (0, 1)]
 
 
 def test_methods_lists_every_registered_method_with_its_settings():
+    from nefl_zoo.fl import registered_methods
+
     result = runner.invoke(app, ["methods"])
     assert result.exit_code == 0, result.output
     cells = [line.split("│") for line in result.output.splitlines() if line.startswith("│")]
     rows = {c[1].strip(): "│".join(c) for c in cells if c[1].strip()}  # wrapped descriptions continue on rows without a name
-    assert list(rows) == ["nefl", "heterofl", "fjord", "depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedprox", "fedgh", "fedlps"]
+    methods = registered_methods()
+    assert list(rows) == list(methods)
+    for name, cls in methods.items():
+        assert cls.label.split(" (")[0] in rows[name]
     assert "mu: 0.01" in rows["fedprox"] and "kd: True" in rows["fjord"] and "kd: True" in rows["depthfl"]

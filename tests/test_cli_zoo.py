@@ -30,11 +30,11 @@ def spec_file(tmp_path):
 
 
 def test_build_json_reports_what_was_built():
-    result = invoke("build", "resnet56", "--gamma", "0.4", "--json")
+    result = invoke("build", "resnet20", "--gamma", "0.4", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert {"model", "tier", "params", "params_ratio", "macs", "macs_ratio", "gamma_w", "blocks_per_stage"} <= set(data)
-    assert data["model"] == "resnet56" and abs(data["params_ratio"] - 0.4) <= 0.004
+    assert data["model"] == "resnet20" and abs(data["params_ratio"] - 0.4) <= 0.004
     assert 0 < data["macs_ratio"] < 1 and len(data["blocks_per_stage"]) == 3
 
 
@@ -46,7 +46,7 @@ def test_build_line_for_a_user():
 
 def test_build_out_writes_weights_and_a_rebuildable_tier_spec(spec_file, tmp_path):
     out = tmp_path / "out" / "small.safetensors"
-    result = invoke("build", "--spec", spec_file, "--tier", "small", "--out", out)
+    result = invoke("build", "--spec", spec_file, "--tier", "small", "-o", out)
     assert result.exit_code == 0, result.output
     weights = load_file(str(out))
     tier_spec = load_spec(out.with_suffix(".yaml"))
@@ -89,7 +89,7 @@ def test_build_spec_needs_a_tier_when_there_are_several(spec_file):
 
 @pytest.mark.parametrize("fmt", ["table", "markdown", "csv", "json"])
 def test_profile_formats(spec_file, fmt):
-    result = invoke("profile", spec_file, "--format", fmt)
+    result = invoke("profile", spec_file, *(["--json"] if fmt == "json" else ["--format", fmt]))
     assert result.exit_code == 0, result.output
     if fmt == "json":
         assert [t["name"] for t in json.loads(result.stdout)["tiers"]] == ["small", "full"]
@@ -100,7 +100,7 @@ def test_profile_formats(spec_file, fmt):
 
 
 def test_profile_by_module_and_shipped_spec_names():
-    result = invoke("profile", "resnet56/nefl-wd", "--by-module", "--format", "json")
+    result = invoke("profile", "resnet20/nefl-wd", "--by-module", "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     totals = {r["tier"]: r for r in rows if r["module"] == "(total)"}

@@ -130,7 +130,7 @@ def test_each_tier_uses_its_own_inconsistent_parameters(resnet_run):
 def test_manifest_records_costs_accuracy_dataset_and_latency(resnet_run):
     compiled, _, _, manifest = resnet_run
     profiles = {p.name: p for p in profile_tiers(compiled)}
-    assert manifest.schema_version == 1 and manifest.model == "resnet20"
+    assert manifest.schema_version == 2 and manifest.model == "resnet20"
     assert manifest.input.shape == [3, 32, 32] and manifest.input.batch is None
     assert manifest.input.dataset == "cifar10"
     assert manifest.input.normalization.mean == pytest.approx([0.4914, 0.4822, 0.4465])
@@ -140,7 +140,8 @@ def test_manifest_records_costs_accuracy_dataset_and_latency(resnet_run):
     assert (small.params, small.macs) == (profiles["small"].params, profiles["small"].macs)
     assert small.gamma == 0.2 and small.gamma_w == 0.25
     assert small.macs < manifest.tier("full").macs
-    assert small.accuracy == 0.71 and manifest.tier("full").accuracy == 0.83  # last "acc" line
+    assert small.accuracy == 0.71 and manifest.tier("full").accuracy == 0.83  # last "acc" line: cifar10 is not here
+    assert small.accuracy_on is None and small.precision == "fp32" and small.vs_fp32 is None
     assert small.batchnorm_folded
     assert small.latency.batch == 1 and small.latency.runs == 2 and small.latency.median_ms > 0
     assert small.latency.threads is None

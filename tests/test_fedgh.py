@@ -1,5 +1,6 @@
 """FedGH: LARs, the server-side header update, reply checks, per-client held-out splits and a
-few rounds on digits with personalised extractors that survive a crash."""
+few rounds on digits with personalised extractors (their bit-identical resume:
+tests/test_method_contract.py)."""
 
 import json
 
@@ -15,7 +16,7 @@ from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.fedgh import local_averaged_representations
 from nefl_zoo.fl.strategy import Reply
 
-from .test_fl_engine import crash_in_round_3, tiny
+from .conftest import tiny
 
 torch.set_num_threads(1)
 
@@ -42,7 +43,7 @@ def test_server_trains_the_global_header_with_its_own_sgd_one_step_per_lar():
     state = strategy.init_global_state()
     lar = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 3.0]])
     classes = torch.tensor([2, 7])
-    reply = Reply({"lar": lar, "lar_classes": classes}, {"num_samples": 5, "tier": "g1", "tiers": ["g1"]})
+    reply = Reply({"lar": lar, "lar_classes": classes}, num_samples=5, level="g1")
     result = strategy.aggregate_train(1, state, {0: reply})
     # by hand: for linear logits z = Wx + b, dCE/dW = (softmax(z) - onehot(y)) x^T, dCE/db = softmax(z) - onehot(y)
     w, b = state["header.weight"].clone(), state["header.bias"].clone()
@@ -61,7 +62,7 @@ def test_bad_replies_are_rejected_and_the_header_still_updates():
     strategy = fedgh(method_args={"rep_dim": 3}).build_strategy()
     torch.manual_seed(0)
     state = strategy.init_global_state()
-    good = Reply({"lar": torch.ones(1, 3), "lar_classes": torch.tensor([1])}, {"tier": "g1"})
+    good = Reply({"lar": torch.ones(1, 3), "lar_classes": torch.tensor([1])}, level="g1")
     replies = {
         0: good,
         1: Reply({"lar": torch.full((1, 3), float("nan")), "lar_classes": torch.tensor([1])}, {}),
@@ -85,8 +86,9 @@ def test_local_split_is_8_1_1_disjoint_and_seeded():
     assert all(np.array_equal(a, b) for a, b in zip(train, again))
 
 
-def test_fedgh_learns_personalised_models_and_resumes_bit_identically(tmp_path, monkeypatch):
-    result = Engine(fedgh(), tmp_path / "straight").run()
+def test_fedgh_learns_personalised_models(tmp_path):
+    """(Resuming bit-identically with the extractors as client state: tests/test_method_contract.py.)"""
+    result = Engine(fedgh(rounds=3, eval__every=3), tmp_path / "straight").run()
     assert set(result.acc) == {"g0.25", "g0.5", "g1"}  # every extractor type is evaluated
     assert all(acc > 0.5 for acc in result.acc.values()), result.acc  # chance is 0.1
     records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
@@ -94,16 +96,10 @@ def test_fedgh_learns_personalised_models_and_resumes_bit_identically(tmp_path, 
     assert all(r["bytes_up_per_client"] < extractor_bytes / 100 for r in records)  # only LARs go up
     assert set(load_file(str(tmp_path / "straight" / "global.safetensors"))) == {"header.weight", "header.bias"}
 
-    crash_in_round_3(fedgh(), tmp_path / "resumed", monkeypatch)
-    Engine(fedgh(), tmp_path / "resumed").run(resume=True)
-    for name in ("global.safetensors", "clients.safetensors"):
-        a, b = (load_file(str(tmp_path / run / name)) for run in ("straight", "resumed"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-
 
 def test_client_test_needs_a_local_split(tmp_path):
     with pytest.raises(ValueError, match="set data.local_split"):
-        Engine(fedgh(data__local_split=None), tmp_path).run()
+        Engine(fedgh(data__local_split=None, rounds=1, train__local_epochs=1, clients__fraction=0.2), tmp_path).run()
 
 
 def test_per_client_evaluation_scores_each_clients_deployed_submodel_on_its_own_test_split(tmp_path):
@@ -122,3 +118,38 @@ def test_per_client_evaluation_scores_each_clients_deployed_submodel_on_its_own_
     assert result.acc.keys() == expected.keys()
     for tier, accs in expected.items():
         assert result.acc[tier] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+
+
+def test_server_batch_client_takes_one_mean_loss_step_per_client():
+    """``server_batch: client``: one SGD step per client on the mean cross-entropy of its LARs, so
+    one client with two LARs moves the header by the mean of their two gradients, once, and two
+    clients with one LAR each take two steps in client order. Catches the one-line change
+    ``F.cross_entropy(header(x), y, reduction="sum")`` in FedGH's ``aggregate_train`` (a step
+    twice as long for two LARs)."""
+    strategy = fedgh(method_args={"rep_dim": 3, "server_lr": 0.5, "server_batch": "client"}).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    lar = torch.tensor([[1.0, -2.0, 0.5], [0.0, 1.0, 3.0]])
+    classes = torch.tensor([2, 7])
+    w0, b0 = state["header.weight"].clone(), state["header.bias"].clone()
+
+    def gradient(w, b, x, c):  # by hand: d CE(Wx + b, c) / d(W, b) = (softmax - onehot) x^T, softmax - onehot
+        err = torch.softmax(w @ x + b, 0)
+        err[c] -= 1
+        return torch.outer(err, x), err
+
+    one = strategy.aggregate_train(1, state, {0: Reply({"lar": lar, "lar_classes": classes}, {"tier": "g1"})})
+    (gw1, gb1), (gw2, gb2) = (gradient(w0, b0, x, c) for x, c in zip(lar, classes.tolist()))
+    assert one.accepted == 1
+    torch.testing.assert_close(one.state["header.weight"], w0 - 0.5 * (gw1 + gw2) / 2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(one.state["header.bias"], b0 - 0.5 * (gb1 + gb2) / 2, rtol=0, atol=1e-6)
+
+    replies = {cid: Reply({"lar": lar[cid : cid + 1], "lar_classes": classes[cid : cid + 1]}, {"tier": "g1"}) for cid in (0, 1)}
+    two = strategy.aggregate_train(1, state, replies)
+    w, b = w0, b0
+    for x, c in zip(lar, classes.tolist()):
+        gw, gb = gradient(w, b, x, c)
+        w, b = w - 0.5 * gw, b - 0.5 * gb
+    assert two.accepted == 2
+    torch.testing.assert_close(two.state["header.weight"], w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(two.state["header.bias"], b, rtol=0, atol=1e-6)

@@ -1,6 +1,6 @@
 """FedLPS: L1 channel selection, index-tensor slice maps of pruned predictors, the server's
 backbone fill-in and per-task weighted averaging, reply checks, and a few rounds on digits
-that learn every task and resume bit-identically."""
+that learn every task (its bit-identical resume: tests/test_method_contract.py)."""
 
 import pytest
 import torch
@@ -13,8 +13,7 @@ from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_back
 from nefl_zoo.fl.strategy import Reply
 from nefl_zoo.slim import SliceMap
 
-from .conftest import TINY_VIT
-from .test_fl_engine import crash_in_round_3, tiny
+from .conftest import TINY_VIT, tiny
 
 torch.set_num_threads(1)
 LEVELS = {"levels": [0.0, 0.4, 0.8]}  # tiny()'s tiers g1, g0.5, g0.25 (largest first)
@@ -23,7 +22,7 @@ LEVELS = {"levels": [0.0, 0.4, 0.8]}  # tiny()'s tiers g1, g0.5, g0.25 (largest 
 def fedlps(**overrides):
     """Three clients, one resource level each (g0.25, g0.5, g1), tasks class and parity."""
     args = dict(method="fedlps", clients__num_clients=3, clients__environment="fixed", method_args=LEVELS,
-                train__local_epochs=1, rounds=3, eval__every=3)
+                train__local_epochs=1, rounds=3, eval__every=3, eval__bn="recompute")
     return tiny(**(args | overrides))
 
 
@@ -104,8 +103,8 @@ def _reply(strategy, state, masks, level, samples, value=None):
         _, entries = strategy.predictor(task, masks)
         for k, v in SliceMap(entries).extract(state).items():
             arrays[entries[k].global_key] = v if value is None or not v.is_floating_point() else torch.full_like(v, value)
-    metrics = {"tier": level, "num_samples": max(samples.values()), **{f"num_samples.{t}": n for t, n in samples.items()}}
-    return Reply(arrays, metrics)
+    metrics = {f"num_samples.{t}": n for t, n in samples.items()}
+    return Reply(arrays, metrics, num_samples=max(samples.values()), level=level)
 
 
 def test_server_fills_pruned_entries_from_the_backbone_predictor():
@@ -210,7 +209,9 @@ def test_fedlps_learns_every_task_from_a_pretrained_backbone(tmp_path, backbone)
     config = fedlps(method_args={**LEVELS, "pretrained": backbone})
     engine = Engine(config, tmp_path)
     result = engine.run()
-    assert set(result.acc) == {"class", "parity"}
+    assert set(result.acc) == {"class", "parity"} and set(result.extra) == {"recompute/class", "recompute/parity"}
+    columns = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert [c for c in columns if c.startswith("acc_")] == ["acc_class", "acc_parity"]  # tasks, not resource levels
     assert result.acc["class"] > 0.6 and result.acc["parity"] > 0.8, result.acc  # chance: 0.1 and 0.5
     masks = load_file(str(tmp_path / "clients.safetensors"))  # per-client state: the masks only
     assert all(k.split("/", 1)[1].startswith("mask.") for k in masks)
@@ -219,13 +220,3 @@ def test_fedlps_learns_every_task_from_a_pretrained_backbone(tmp_path, backbone)
     assert set(load_file(str(tmp_path / "global.safetensors"))) == set(config.build_strategy().init_global_state())
     fresh = load_backbone(config.submodel_spec(), config.seed, backbone).state_dict()  # the encoder stayed frozen
     assert all(torch.equal(v, fresh[k]) for k, v in engine.strategy.backbone.state_dict().items())
-
-
-def test_fedlps_resumes_bit_identically(tmp_path, monkeypatch):
-    config = fedlps(rounds=4, eval__every=2, clients__fraction=0.67)  # random backbone; clients join late
-    Engine(config, tmp_path / "straight").run()
-    crash_in_round_3(config, tmp_path / "resumed", monkeypatch)
-    Engine(config, tmp_path / "resumed").run(resume=True)
-    for name in ("global.safetensors", "clients.safetensors"):
-        a, b = (load_file(str(tmp_path / run / name)) for run in ("straight", "resumed"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -118,7 +118,7 @@ def test_weighting_through_the_engine_is_the_weighted_mean_of_the_replies(tmp_pa
     every global element is the mean of the replies holding it, weighted 1 per client or by the
     client's sample count, computed here from the replies alone (no slice map)."""
     from nefl_zoo.fl.engine import Engine
-    from tests.test_fl_engine import tiny
+    from tests.conftest import tiny
 
     spec = {"model": "resnet20", "model_args": {"in_chans": 1, "img_size": 8},
             "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}
@@ -130,7 +130,8 @@ def test_weighting_through_the_engine_is_the_weighted_mean_of_the_replies(tmp_pa
 
     def keep_replies(kind, instructions):
         out = exchange(kind, instructions)
-        replies.update({cid: ({k: v.clone() for k, v in r.arrays.items()}, dict(r.metrics)) for cid, r in out.items()})
+        replies.update({cid: ({k: v.clone() for k, v in r.arrays.items()}, {"tier": r.level, "num_samples": r.num_samples})
+                        for cid, r in out.items()})
         return out
 
     engine.exchange = keep_replies

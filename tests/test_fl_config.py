@@ -6,6 +6,7 @@ import pytest
 
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.client import learning_rate
+from nefl_zoo.fl.registry import registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 0.5}, {"name": "b"}]}
@@ -38,7 +39,9 @@ def test_overrides_are_typed_and_nested():
     "data, field, words",
     [
         ({"spec": SPEC, "roundz": 3}, "roundz", "unknown key"),
-        ({"spec": SPEC, "method": "fedproxx"}, "method", "nefl, heterofl, fjord, depthfl, fedavg, fedavg_min, fedavg_full, fedprox, fedgh, fedlps"),
+        ({"spec": SPEC, "method": "fedproxx"}, "method", "one of " + ", ".join(registered_methods())),
+        ({"spec": SPEC, "method": "fedlps", "method_args": {"bn_recompute_batches": 5}}, "method_args.bn_recompute_batches",
+         "moved to eval.bn: recompute and eval.bn_batches"),
         ({"spec": SPEC, "method": "fedprox", "method_args": {"mu": -1}}, "method_args.mu", "fedprox: Input should be greater than or equal to 0"),
         ({"spec": SPEC, "method": "nefl", "method_args": {"kd": True}}, "method_args.kd", "nefl: unknown key"),
         ({"spec": SPEC, "method": "fjord", "method_args": {"kd": "maybe"}}, "method_args.kd", "fjord: Input should be a valid boolean"),

@@ -7,22 +7,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nefl_zoo.fl import strategy as strategy_module
+from nefl_zoo.fl import registry
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.methods import Assignment, NeFL
-from nefl_zoo.fl.strategy import ClientInfo, Reply, register_method
+from nefl_zoo.fl.methods.nefl import NeFL
+from nefl_zoo.fl.registry import register_method
+from nefl_zoo.fl.strategy import ClientInfo, Reply
 from nefl_zoo.slim import tier_key
 
-from .test_fl_engine import crash_in_round_3, tiny
+from .conftest import crash_in_round, same_tensors, tiny
 
 torch.set_num_threads(1)
 
 
 def filled(strategy, tier, value):
     """A reply of ``tier`` whose every tensor is ``value`` (what a client of that tier returns)."""
-    entries = strategy.entries(Assignment(tier, (tier,)))
+    entries = strategy.entries(tier)
     arrays = {k: torch.full(e.shape, value, dtype=strategy.compiled.full_dtypes[k]) for k, e in entries.items()}
-    return Reply(arrays, {"tier": tier, "tiers": [tier], "num_samples": 10, "loss": 1.0})
+    return Reply(arrays, num_samples=10, loss=1.0, level=tier)
 
 
 def test_aggregate_train_on_hand_made_replies_rejects_failed_and_nan_and_still_produces_the_state():
@@ -37,7 +38,7 @@ def test_aggregate_train_on_hand_made_replies_rejects_failed_and_nan_and_still_p
         1: Reply({}, {}, error="client ran out of memory"),
         2: nan,
         3: filled(strategy, "g1", 3.0),
-        4: Reply(filled(strategy, "g0.5", 7.0).arrays, {"num_samples": 10}),  # does not say its tier
+        4: Reply(filled(strategy, "g0.5", 7.0).arrays, num_samples=10),  # does not say its level
     }
     # Execute
     result = strategy.aggregate_train(1, state, replies)
@@ -45,6 +46,7 @@ def test_aggregate_train_on_hand_made_replies_rejects_failed_and_nan_and_still_p
     assert result.accepted == 2
     assert [cid for cid, _ in sorted(result.rejected)] == [1, 2, 4]
     assert "out of memory" in dict(result.rejected)[1] and "NaN" in dict(result.rejected)[2]
+    assert "level None is not a submodel" in dict(result.rejected)[4]
     new = result.state
     narrow = strategy.compiled["g0.25"].slice_map["layer1.0.conv1.weight"].shape
     conv = new["layer1.0.conv1.weight"]
@@ -64,7 +66,7 @@ def test_configure_train_sends_each_sampled_client_its_submodel():
     instructions = strategy.configure_train(3, state, clients)
     assert len(instructions) == 2 and list(instructions) == sorted(instructions)
     for cid, instruction in instructions.items():
-        tier = instruction.config["tier"]
+        tier = instruction.level
         expected = strategy.compiled[tier].extract(state)
         assert instruction.arrays.keys() == expected.keys()
         assert all(torch.equal(instruction.arrays[k], expected[k]) for k in expected)
@@ -82,7 +84,7 @@ def test_fedprox_adds_the_proximal_term_to_the_loss():
     strategy = tiny(method="fedprox", method_args={"mu": 0.5}).build_strategy()
     torch.manual_seed(0)
     state = strategy.init_global_state()
-    local = strategy.local_model(Assignment("g0.25", ("g0.25",)), strategy.compiled["g0.25"].extract(state))
+    local = strategy.client_model("g0.25", strategy.compiled["g0.25"].extract(state))
     local.eval()
     x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
     fc = local.base.net.fc.weight
@@ -130,20 +132,21 @@ class Counting(NeFL):
 
 
 def test_client_and_server_state_survive_a_crash_and_resume(tmp_path, monkeypatch):
-    monkeypatch.setattr(strategy_module, "_METHODS", dict(strategy_module._METHODS))
+    """A method registered from outside the package: the engine keeps its client and server state."""
+    monkeypatch.setattr(registry, "_METHODS", registry.registered_methods())
     register_method("counting", label="Counting")(Counting)
-    config = tiny(method="counting")  # 4 clients, all sampled every round, 4 rounds, checkpoint every 2
+    # 3 clients, one sampled per round, one local epoch, 3 rounds, checkpoint every round
+    config = tiny(method="counting", rounds=3, checkpoint_every=1, clients__num_clients=3, clients__fraction=0.34,
+                  train__local_epochs=1, eval__every=3, data__max_test_samples=16)
 
     Engine(config, tmp_path / "straight").run()
-    crash_in_round_3(config, tmp_path / "resumed", monkeypatch)
+    crash_in_round(config, tmp_path / "resumed", monkeypatch, 1)
     Engine(config, tmp_path / "resumed").run(resume=True)
 
     for run in ("straight", "resumed"):
         clients = load_file(str(tmp_path / run / "clients.safetensors"))
-        assert sorted(clients) == [f"{c}/rounds" for c in range(4)]
-        assert all(int(v) == 4 for v in clients.values())  # every client trained all 4 rounds
-        assert int(load_file(str(tmp_path / run / "server.safetensors"))["aggregations"]) == 4
-        assert json.loads((tmp_path / run / "checkpoint.json").read_text())["round"] == 4
-    a = load_file(str(tmp_path / "straight" / "global.safetensors"))
-    b = load_file(str(tmp_path / "resumed" / "global.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+        assert sum(int(v) for v in clients.values()) == 3  # one client trained per round
+        assert int(load_file(str(tmp_path / run / "server.safetensors"))["aggregations"]) == 3
+        assert json.loads((tmp_path / run / "checkpoint.json").read_text())["round"] == 3
+    assert same_tensors(tmp_path / "straight", tmp_path / "resumed")
+    assert same_tensors(tmp_path / "straight", tmp_path / "resumed", "clients.safetensors")

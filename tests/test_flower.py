@@ -1,34 +1,32 @@
-"""Nested FL on Flower: the Strategy driven by hand-made messages (no Ray, no processes), and
-the simulation engine against the embedded engine (one shared simulation for the module)."""
+"""Nested FL on Flower: records, the FlowerEngine's transport on an in-process grid (no Ray, no
+processes) and ``nefl-zoo train --engine flower`` through ``simulate``.
 
-import json
+Every method's simulation against the embedded engine, and resume with per-client state, are in
+``test_method_contract_flower.py`` (the same simulation, ``tests/support/flower.py``)."""
+
+import dataclasses
 import math
-import re
+import uuid
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
-from flwr.app import ConfigRecord, Error, Message  # noqa: E402
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 
-from nefl_zoo.fl.engine import Engine, client_groups  # noqa: E402
-from nefl_zoo.fl.flower import FlowerEngine, NestedStrategy, NodeRegistry, SimulatedRun, simulate_runs  # noqa: E402
-from nefl_zoo.fl.flower.records import reply_content, tensor_bytes, to_array_record, to_state  # noqa: E402
-from nefl_zoo.fl.flower.strategy import node_levels  # noqa: E402
-from nefl_zoo.fl.methods import Assignment  # noqa: E402
-from nefl_zoo.fl.strategy import ClientInfo, Reply, registered_methods  # noqa: E402
-from nefl_zoo.slim import SliceMap  # noqa: E402
+from nefl_zoo.fl.flower import FlowerEngine  # noqa: E402
+from nefl_zoo.fl.flower.client import app as client_app  # noqa: E402
+from nefl_zoo.fl.flower.nodes import node_levels  # noqa: E402
+from nefl_zoo.fl.flower.records import (instruction_content, read_instruction, read_reply, reply_content,  # noqa: E402
+                                        tensor_bytes, to_state)
+from nefl_zoo.fl.strategy import Instruction, Reply  # noqa: E402
 
-from .test_fl_engine import tiny  # noqa: E402
+from .conftest import same_tensors, tiny  # noqa: E402
+from .support.flower import assert_equal_tensors, nbytes, records  # noqa: E402
 
 torch.set_num_threads(1)
 TIERS = ["g0.25", "g0.5", "g1"]
-
-
-def nbytes(state) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 @pytest.fixture
@@ -40,33 +38,6 @@ def server_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value)
 
 
-def submodel(method, state, tier):
-    """The tensors a nested method sends a client training ``tier`` (through its slice map)."""
-    return SliceMap(dict(method.entries(Assignment(tier, (tier,))))).extract(state)
-
-
-class FakeGrid:
-    """The part of a Flower Grid that configure_train uses: the connected node ids."""
-
-    def __init__(self, node_ids):
-        self.node_ids = node_ids
-
-    def get_node_ids(self):
-        return list(self.node_ids)
-
-
-def nested_strategy(config, first_node=100):
-    """A NestedStrategy whose registry already knows node ``first_node + c`` as client ``c``."""
-    method = config.build_strategy()
-    groups = client_groups(config, TIERS)
-    m = config.clients.num_clients
-    clients = [ClientInfo(c, tuple(groups[c * len(groups) // m])) for c in range(m)]
-    nodes = NodeRegistry("run-1", json.dumps(config.to_dict()), clients, TIERS)
-    for client in clients:
-        nodes.add(first_node + client.cid, client)
-    return NestedStrategy(method, nodes, timeout=5)
-
-
 def test_node_levels_from_node_config():
     assert node_levels({}, ("g0.5",), TIERS) == ("g0.5",)
     assert node_levels({"max-tier": "g0.5"}, ("g1",), TIERS) == ("g0.25", "g0.5")
@@ -76,75 +47,68 @@ def test_node_levels_from_node_config():
             node_levels(bad, (), TIERS)
 
 
-@pytest.mark.parametrize("method", ["nefl", "heterofl"])
-def test_strategy_sends_submodels_and_skips_error_nan_and_missing_replies(method, server_identity):
-    # Prepare: 4 nodes, fixed environment (client c always trains tier c; client 3 the full model)
-    config = tiny(method=method, clients__num_clients=4, clients__environment="fixed",
-                  clients__groups=[["g0.25"], ["g0.5"], ["g1"], ["g1"]])
-    strategy = nested_strategy(config)
-    torch.manual_seed(0)
-    state = strategy.method.init_global_state()
+def same(a, b) -> bool:
+    """Equal dataclass fields; tensors bit-identical, numbers of the same type."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict) and x and all(isinstance(v, torch.Tensor) for v in x.values()):
+            assert_equal_tensors(x, y)
+        elif x != y or type(x) is not type(y) or (isinstance(x, dict) and any(type(x[k]) is not type(y[k]) for k in x)):
+            return False
+    return True
 
-    # Execute: configure
-    messages = list(strategy.configure_train(1, to_array_record(state), ConfigRecord(), FakeGrid([100, 101, 102, 103])))
 
-    # Assert: one message per node, carrying only its client's submodel
-    assert sorted(m.metadata.dst_node_id for m in messages) == [100, 101, 102, 103]
-    for message in messages:
-        cid = message.metadata.dst_node_id - 100
-        tier = ["g0.25", "g0.5", "g1", "g1"][cid]
-        assert message.content.config_records["config"]["tier"] == tier
-        arrays = to_state(message.content.array_records["arrays"])
-        expected = submodel(strategy.method, state, tier)
-        assert arrays.keys() == expected.keys() and all(torch.equal(arrays[k], expected[k]) for k in arrays)
-        assert tensor_bytes(message.content.array_records["arrays"]) == nbytes(expected)
-        assert nbytes(expected) < nbytes(state)  # never the global model (it holds every tier's norms)
+def test_instructions_and_replies_travel_field_by_field_with_the_client_state(server_identity):
+    weights = {"conv.weight": torch.randn(4, 3), "bn.num_batches_tracked": torch.tensor(7), "mask": torch.tensor([True, False])}
+    instruction = Instruction(weights, {"round": 2, "lr": 0.1, "tiers": ["g0.25", "g0.5"], "prox": 0.0}, level="g0.5")
+    client_state = {"extractor.weight": torch.randn(2, 2, dtype=torch.float64)}
+    content = instruction_content(instruction, "run-7", client_state)
+    back, run, state = read_instruction(content)
+    assert same(back, instruction) and run == "run-7"
+    assert_equal_tensors(state, client_state)
+    assert read_instruction(instruction_content(instruction, "run-7", {}))[2] == {}  # no state: none sent
 
-    # Execute: replies from client 0 (trained: +1 everywhere), 1 (an error), 2 (NaN); 3 never answers
-    by_cid = {m.metadata.dst_node_id - 100: m for m in messages}
-    sent = {cid: to_state(m.content.array_records["arrays"]) for cid, m in by_cid.items()}
-    good = Reply({k: v + 1 for k, v in sent[0].items()},
-                 {"num_samples": 10, "loss": 0.5, "tier": "g0.25", "tiers": ["g0.25"]})
-    nan = Reply({k: torch.full_like(v, math.nan) if v.is_floating_point() else v for k, v in sent[2].items()},
-                {"num_samples": 10, "loss": 0.5, "tier": "g1", "tiers": ["g1"]})
-    replies = [
-        Message(reply_content(good), reply_to=by_cid[0]),
-        Message(Error(code=2, reason="out of memory"), reply_to=by_cid[1]),
-        Message(reply_content(nan), reply_to=by_cid[2]),
-    ]
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    sent = Message(content, 3, "train")
+    reply = Reply({"conv.weight": torch.randn(4, 3)}, {"tiers": ["g1"], "accuracy": 0.25}, num_samples=10, loss=0.5, level="g1")
+    back, state = read_reply(Message(reply_content(reply, client_state), reply_to=sent))
+    assert same(back, reply) and back.error is None
+    assert same(read_reply(Message(reply_content(Reply({}, num_samples=3)), reply_to=sent))[0], Reply({}, num_samples=3))  # loss None
+    assert_equal_tensors(state, client_state)
+    assert read_reply(Message(reply_content(reply), reply_to=sent))[1] is None  # an evaluate reply: no state back
 
-    # Assert: only client 0's update is merged, exactly as the method merges it on its own
-    assert metrics["accepted"] == 1 and metrics["rejected"] == 3
-    expected = strategy.method.aggregate_train(1, state, {0: good}).state
-    merged = to_state(arrays)
-    assert merged.keys() == state.keys() and all(torch.equal(merged[k], expected[k]) for k in merged)
-    assert not torch.equal(merged["conv1.weight"], state["conv1.weight"])
+    failed, state = read_reply(Message(Error(code=2, reason="out of memory"), reply_to=sent))
+    assert "out of memory" in failed.error and state is None
+    garbled, state = read_reply(Message(RecordDict({}), reply_to=sent))
+    assert garbled.error.startswith("reply does not decode") and state is None
 
 
 class InProcessGrid:
-    """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp
-    right away with its node's Context (no Ray, no processes)."""
+    """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp right
+    away with its node's Context (no Ray, no processes). ``faults`` maps a node id to a function
+    of (ClientApp's reply, sent message) giving the ``train`` reply delivered instead (None: none)."""
 
-    def __init__(self, num_nodes: int):
-        from flwr.app import Context, RecordDict
-
+    def __init__(self, num_nodes: int, faults=None):
         self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config={"partition-id": i, "num-partitions": num_nodes},
                                            state=RecordDict(), run_config={}) for i in range(num_nodes)}
-        self.replies: dict[str, Message] = {}
+        self.faults = faults or {}
+        self.pushed: list[Message] = []
+        self.answers: dict[str, Message] = {}  # what each node's ClientApp answered, by message id
+        self.replies: dict[str, Message] = {}  # what is delivered
 
     def get_node_ids(self):
         return list(self.contexts)
 
     def push_messages(self, messages):
-        import uuid
-
-        from nefl_zoo.fl.flower.client import app
-
         ids = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            self.replies[message.metadata.message_id] = app(message, self.contexts[message.metadata.dst_node_id])
+            node = message.metadata.dst_node_id
+            answer = self.answers[message.metadata.message_id] = client_app(message, self.contexts[node])
+            fault = self.faults.get(node) if message.metadata.message_type == "train" else None
+            reply = fault(answer, message) if fault else answer
+            if reply is not None:
+                self.replies[message.metadata.message_id] = reply
+            self.pushed.append(message)
             ids.append(message.metadata.message_id)
         return ids
 
@@ -152,107 +116,79 @@ class InProcessGrid:
         return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
 
 
-METHOD_ARGS = {"fedlps": {"levels": [0.0, 0.4, 0.8]}}  # one pruning ratio per tier of tiny()
+def error(answer, sent):
+    return Message(Error(code=2, reason="out of memory"), reply_to=sent)
 
 
-# nefl, heterofl and fedgh run in the simulation below; fedavg_min/_full only assign other tiers than fedavg
-@pytest.mark.parametrize("method", sorted(set(registered_methods()) - {"nefl", "heterofl", "fedgh", "fedavg_min", "fedavg_full"}))
-def test_every_method_runs_through_flower_messages(method, server_identity, tmp_path):
-    """Each method's instructions and replies through Flower records and the ClientApp's
-    handlers (in this process) give the embedded engine's run exactly."""
-    config = tiny(method=method, rounds=1, clients__num_clients=3, train__local_epochs=1, eval__every=1,
-                  data__max_test_samples=50, method_args=METHOD_ARGS.get(method, {}))
-    Engine(config, tmp_path / "embedded").run()
-    FlowerEngine(config, tmp_path / "flower", InProcessGrid(3)).run()
-    a, b = (load_file(str(tmp_path / run / "global.safetensors")) for run in ("embedded", "flower"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda r: {k: v for k, v in r.items() if k != "time_s"}  # noqa: E731
-    assert [strip(r) for r in records(tmp_path / "embedded")] == [strip(r) for r in records(tmp_path / "flower")]
+def nan(answer, sent):
+    reply, state = read_reply(answer)
+    arrays = {k: torch.full_like(v, math.nan) if v.is_floating_point() else v for k, v in reply.arrays.items()}
+    return Message(reply_content(dataclasses.replace(reply, arrays=arrays), state), reply_to=sent)
 
 
-def submodel_bytes(config) -> tuple[dict[str, int], int]:
-    """Bytes of the tensors a client training each tier exchanges, and of the global state."""
-    method = config.build_strategy()
+@pytest.mark.parametrize("method", ["nefl", "fedgh"])
+def test_engine_sends_each_node_its_submodel_and_rejects_error_nan_and_missing_replies(method, server_identity, tmp_path):
+    # Prepare: 4 nodes, client c always trains tier c (client 3 the full model); node 1 answers
+    # with an error, node 2 with NaN tensors, node 3 never (the round's timeout is 0.5 s)
+    config = tiny(method=method, rounds=1, train__local_epochs=1, data__local_split=[0.8, 0.1, 0.1], clients__num_clients=4,
+                  clients__environment="fixed", clients__groups=[["g0.25"], ["g0.5"], ["g1"], ["g1"]])
+    grid = InProcessGrid(4, {1001: error, 1002: nan, 1003: lambda answer, sent: None})
+    engine = FlowerEngine(config, tmp_path, grid, timeout=0.5)
     torch.manual_seed(0)
-    state = method.init_global_state()
-    return {tier: nbytes(submodel(method, state, tier)) for tier in method.tier_names}, nbytes(state)
+    engine.state = state = engine.strategy.init_global_state()
+
+    # Execute: one round
+    record = engine.run_round(0)
+
+    # Assert: one message per node, with only its client's submodel: the method's instruction
+    expected = engine.strategy.configure_train(1, state, engine.clients)
+    train = [m for m in grid.pushed if m.metadata.message_type == "train"]
+    assert sorted(m.metadata.dst_node_id for m in train) == [1000, 1001, 1002, 1003]
+    for message in train:
+        cid = message.metadata.dst_node_id - 1000
+        arrays = message.content.array_records["arrays"]
+        assert_equal_tensors(to_state(arrays), expected[cid].arrays)
+        assert tensor_bytes(arrays) == record["per_client"][str(cid)]["bytes_down"]
+    if method == "nefl":  # a nested method sends a submodel, never the global model (it holds every tier's norms)
+        assert max(nbytes(i.arrays) for i in expected.values()) < nbytes(state)
+    # only node 0's update is merged, exactly as the method merges it on its own; the round completes
+    good, client_state = read_reply(grid.answers[next(m for m in train if m.metadata.dst_node_id == 1000).metadata.message_id])
+    assert record["clients"] == 1 and record["rejected"] == 3
+    assert_equal_tensors(engine.state, engine.strategy.aggregate_train(1, state, {0: good}).state)
+    assert not all(torch.equal(engine.state[k], state[k]) for k in state)
+    # per-client state is the engine's (sent with instructions, returned by train replies), not the nodes'
+    assert_equal_tensors(engine.client_states[0], client_state)
+    assert 1 not in engine.client_states and 3 not in engine.client_states
+    assert all(not context.state.array_records for context in grid.contexts.values())
 
 
-# -- the simulation engine against the embedded engine -----------------------------------------
-def configs():
-    small = {"rounds": 2, "clients__num_clients": 3, "train__local_epochs": 1}
-    return {
-        "nefl": tiny(**small),
-        "heterofl": tiny(method="heterofl", **small),
-        "fedgh": tiny(method="fedgh", method_args={"rep_dim": 16}, data__local_split=[0.8, 0.1, 0.1],
-                      eval__per_client=True, **small),
-    }
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each config on the embedded engine and, in one Flower simulation, on Flower; plus the nefl
-    config stopped after round 1 and resumed on Flower."""
-    out = tmp_path_factory.mktemp("flower")
-    for name, config in configs().items():
-        Engine(config, out / f"embedded-{name}").run()
-    nefl = configs()["nefl"]
-    simulated = [SimulatedRun(config, out / f"flower-{name}") for name, config in configs().items()]
-    simulated += [SimulatedRun(nefl.model_copy(update={"rounds": 1}), out / "flower-resumed"),
-                  SimulatedRun(nefl, out / "flower-resumed", resume=True)]
-    simulate_runs(simulated, threads=1)
-    return out
-
-
-def layout(run_dir):
-    """The run directory's file names, content hashes masked."""
-    return {re.sub(r"ckpt-\w+-\w+", "#", p.name) for p in run_dir.iterdir()}
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.mark.parametrize("name", ["nefl", "heterofl", "fedgh", "resumed"])
-def test_simulation_gives_the_embedded_engines_run(runs, name):
-    embedded, flower = runs / f"embedded-{'nefl' if name == 'resumed' else name}", runs / f"flower-{name}"
-    a, b = load_file(str(embedded / "global.safetensors")), load_file(str(flower / "global.safetensors"))
-    assert a.keys() == b.keys()
-    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-6
-    assert layout(flower) == layout(embedded) - {"#.clients.safetensors", "clients.safetensors"}  # on the nodes
-    strip = lambda r: {k: v for k, v in r.items() if k != "time_s"}  # noqa: E731
-    # the resumed run's round 1 was its last round then, so it was evaluated; compare the end
-    first = -1 if name == "resumed" else 0
-    assert [strip(r) for r in records(embedded)[first:]] == [strip(r) for r in records(flower)[first:]]
-
-
-def test_simulation_reports_each_nodes_submodel_bytes(runs):
-    sizes, full = submodel_bytes(configs()["nefl"])
-    seen = set()
-    for record in records(runs / "flower-nefl"):
-        assert record["per_client"].keys() == {"0", "1", "2"}
-        for client in record["per_client"].values():
-            assert client["bytes_down"] == client["bytes_up"] == sizes[client["tier"]] < full
-            seen.add(client["tier"])
-        assert record["bytes_down"] == sum(c["bytes_down"] for c in record["per_client"].values())
-    assert len(seen) >= 2
-
-
-def test_cli_train_engine_flower_gives_the_embedded_run_and_its_table(tmp_path):
+def test_cli_train_engine_flower_runs_simulate_and_gives_the_embedded_run_and_its_table(tmp_path, monkeypatch, server_identity):
+    """``--engine flower`` goes through :func:`~nefl_zoo.fl.flower.simulate`; Ray's part (run on
+    the shared simulation, ``test_method_contract_flower.py``) is replaced by the in-process grid, so no second Ray start."""
     from typer.testing import CliRunner
 
+    from nefl_zoo.fl.flower import server
     from nefl_zoo_cli.app import app
 
     from .test_cli_train import QUICK, TINY
 
+    calls = []
+
+    def simulate_in_process(runs, **options):
+        calls.append(options)
+        return [FlowerEngine(r.config, r.out, InProcessGrid(r.config.clients.num_clients)).run(resume=r.resume, overwrite=r.overwrite, observer=r.observer)
+                for r in runs]
+
+    monkeypatch.setattr(server, "simulate_runs", simulate_in_process)
     args = ["train", QUICK, *TINY, "--set", "rounds=1", "--threads", "1"]
     runner = CliRunner()
     embedded = runner.invoke(app, [*args, "--out", str(tmp_path / "embedded")])
     assert embedded.exit_code == 0, embedded.output
     flower = runner.invoke(app, [*[a for a in args if a != "--quiet"], "--engine", "flower", "--out", str(tmp_path / "flower")])
     assert flower.exit_code == 0, flower.output
+    assert [c["threads"] for c in calls] == [1]
     assert "worst / avg" in flower.output and f"run dir {tmp_path / 'flower'}" in flower.output.replace("\n", "")
-    a, b = (load_file(str(tmp_path / run / "global.safetensors")) for run in ("embedded", "flower"))
-    assert a.keys() == b.keys() and max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-6
+    assert same_tensors(tmp_path / "flower", tmp_path / "embedded")
+    assert records(tmp_path / "flower") == records(tmp_path / "embedded")
     bad = runner.invoke(app, [*args, "--engine", "ray", "--out", str(tmp_path / "bad")])
-    assert bad.exit_code == 2 and bad.output.strip() == "error: --engine: expected embedded or flower, got 'ray'"
+    assert bad.exit_code == 2 and "ray" in bad.output and not (tmp_path / "bad").exists()

@@ -1,14 +1,16 @@
 """Nested FL on a real Flower deployment: a SuperLink and 3 SuperNodes as processes on free
-localhost ports, the example Flower App submitted with ``flwr run``.
+localhost ports (``tests/support/deployment.py``), the example Flower App submitted with ``flwr run``.
 
-One deployment serves three runs: NeFL and HeteroFL for 2 rounds (the same global tensors as the
-embedded engine; each node trains only submodels its declared level allows and exchanges only
-their bytes), then the NeFL run resumed to 4 rounds with one SuperNode killed after round 3:
-round 4 completes with the other two. Every process started here is ended (process groups).
-Deselect with ``-m 'not deployment'`` where localhost ports cannot be opened.
+One deployment serves two runs: NeFL for 1 round (the embedded engine's global tensors and
+records; each node trains only submodels its declared level allows and exchanges only their
+bytes), then resumed to 3 rounds with one SuperNode killed after round 2: round 2 is the
+embedded engine's, and round 3 completes with the other two nodes. Every method's parity on
+Flower's transport is the simulation's (``test_method_contract_flower.py``); this test proves the
+deployment: processes, gRPC, node configs, resume and a departing node. Every process started
+here is ended (process groups). Deselect with ``-m 'not deployment'`` where localhost ports
+cannot be opened.
 """
 
-import json
 import shutil
 import signal
 import sys
@@ -18,16 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 pytest.importorskip("flwr")
 
 from nefl_zoo.fl.config import parse_config  # noqa: E402
 from nefl_zoo.fl.engine import Engine  # noqa: E402
-from nefl_zoo.fl.flower.local import LocalDeployment, group_alive  # noqa: E402
 
-from .test_fl_engine import tiny  # noqa: E402
-from .test_flower import submodel_bytes  # noqa: E402
+from .conftest import same_tensors, tiny  # noqa: E402
+from .support.deployment import LocalDeployment, group_alive  # noqa: E402
+from .support.flower import layout, records, submodel_bytes  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 torch.set_num_threads(1)
@@ -49,11 +50,6 @@ def wait_for(condition, timeout: float, what: str, deployment: LocalDeployment, 
         time.sleep(0.2)
 
 
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     if shutil.which("flower-superlink", path=str(BIN)) is None:
@@ -71,50 +67,46 @@ def deployment(tmp_path_factory):
         assert dep.close() == [], "processes left behind"
 
 
-def config(method: str):
-    return tiny(method=method, rounds=2, clients__num_clients=3, clients__groups=GROUPS, train__local_epochs=1)
+def config(rounds: int):
+    return tiny(rounds=rounds, clients__num_clients=3, clients__groups=GROUPS, train__local_epochs=1)
 
 
 def test_deployment_equals_embedded_and_survives_a_killed_supernode(deployment, tmp_path):
-    # Prepare: the configs as files the ServerApp reads, and the embedded engine's runs
+    # Prepare: the config as a file the ServerApp reads, and the embedded engine's runs
     path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config("nefl").to_dict()))
-    for method in ("nefl", "heterofl"):
-        Engine(parse_config(config(method).to_dict()), tmp_path / f"embedded-{method}").run()
+    path.write_text(yaml.safe_dump(config(1).to_dict()))
+    for rounds in (1, 2):
+        Engine(parse_config(config(rounds).to_dict()), tmp_path / f"embedded-{rounds}").run()
 
-    # Execute: NeFL and HeteroFL for 2 rounds on the 3 SuperNodes
-    for method in ("nefl", "heterofl"):
-        run = deployment.flwr_run(f"run-{method}", APP, {"config": str(path), "out": str(tmp_path / method), "overrides": f"method={method}"})
-        assert run.wait(timeout=900) == 0, deployment.log(f"run-{method}")
-
-        # Assert: the embedded engine's global tensors, the same run directory and records
-        a = load_file(str(tmp_path / f"embedded-{method}" / "global.safetensors"))
-        b = load_file(str(tmp_path / method / "global.safetensors"))
-        assert a.keys() == b.keys(), deployment.log(f"run-{method}")
-        assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= 1e-6
-        assert (tmp_path / method / "summary.json").exists()
-        strip = lambda r: {k: v for k, v in r.items() if k != "time_s"}  # noqa: E731
-        assert [strip(r) for r in records(tmp_path / method)] == [strip(r) for r in records(tmp_path / f"embedded-{method}")]
-        # each node trained a submodel its declared level allows, and moved only its bytes
-        sizes, full = submodel_bytes(config(method))
-        for record in records(tmp_path / method):
-            assert record["clients"] == 3 and record["rejected"] == 0
-            for cid, client in record["per_client"].items():
-                assert client["tier"] in GROUPS[int(cid)]
-                assert client["bytes_down"] == client["bytes_up"] == sizes[client["tier"]] < full
-
-    # Execute: resume the NeFL run to 4 rounds; kill SuperNode 1 (its process group) once round 3
-    # is recorded. SIGTERM: the SuperLink learns at once; after SIGKILL it takes a missed
-    # heartbeat (60 s in flwr 1.42), then the same error reply
+    # Execute: NeFL for 1 round on the 3 SuperNodes
     out = tmp_path / "nefl"
-    run = deployment.flwr_run("run-resumed", APP, {"out": str(out), "resume": True, "overrides": "rounds=4"})
-    wait_for(lambda: len(records(out)) >= 3, 900, "round 3", deployment, "run-resumed")
+    run = deployment.flwr_run("run", APP, {"config": str(path), "out": str(out)})
+    assert run.wait(timeout=900) == 0, deployment.log("run")
+
+    # Assert: the embedded engine's global tensors, the same run directory and records
+    assert same_tensors(out, tmp_path / "embedded-1")
+    assert layout(out) == layout(tmp_path / "embedded-1")
+    assert records(out) == records(tmp_path / "embedded-1")
+    # each node trained a submodel its declared level allows, and moved only its bytes
+    sizes, full = submodel_bytes(config(1))
+    (record,) = records(out)
+    assert record["clients"] == 3 and record["rejected"] == 0
+    for cid, client in record["per_client"].items():
+        assert client["tier"] in GROUPS[int(cid)]
+        assert client["bytes_down"] == client["bytes_up"] == sizes[client["tier"]] < full
+
+    # Execute: resume to 3 rounds; kill SuperNode 1 (its process group) once round 2 is recorded.
+    # SIGTERM: the SuperLink learns at once; after SIGKILL it takes a missed heartbeat (60 s in
+    # flwr 1.42), then the same error reply
+    run = deployment.flwr_run("run-resumed", APP, {"out": str(out), "resume": True, "overrides": "rounds=3"})
+    wait_for(lambda: len(records(out)) >= 2, 900, "round 2", deployment, "run-resumed")
     deployment.end("supernode1", signal.SIGTERM)
     assert run.wait(timeout=900) == 0, deployment.log("run-resumed")
 
-    # Assert: round 4 completed with the two remaining nodes
+    # Assert: round 2 is the embedded engine's; round 3 completed with the two remaining nodes
+    assert [r["round"] for r in records(out)] == [1, 2, 3] and (out / "summary.json").exists()
+    assert records(out)[1] == records(tmp_path / "embedded-2")[1]
     last = records(out)[-1]
-    assert [r["round"] for r in records(out)] == [1, 2, 3, 4] and (out / "summary.json").exists()
     assert last["clients"] == 2, last
     assert "1" not in last["per_client"] or last["rejected"] == 1
     assert not group_alive(deployment.processes["supernode1"].pid)

@@ -16,7 +16,7 @@ from nefl_zoo_cli.app import app
 from nefl_zoo.fl.compare import Entry, entry_config, parse_entry, results_table
 from nefl_zoo.fl.config import ConfigError, parse_config
 from nefl_zoo.fl.engine import RunResult
-from nefl_zoo.fl.methods import Assignment
+from nefl_zoo.fl.strategy_utils import bn_treatments, with_bn
 from nefl_zoo.profile import count_params
 from nefl_zoo.slim import SliceMap
 
@@ -34,16 +34,16 @@ def fjord_local(kd=True, top="g0.8"):
     method = config("fjord", method_args={"kd": kd}).build_strategy()
     torch.manual_seed(0)
     state = method.init_global_state()
-    assignment = method.assign([top], None)
-    arrays = SliceMap(dict(method.entries(assignment))).extract(state)
-    return method, state, assignment, method.local_model(assignment, arrays)
+    tier = method.assign([top], None)
+    arrays = SliceMap(dict(method.entries(tier))).extract(state)
+    return method, state, tier, method.client_model(tier, arrays)
 
 
 def test_fjord_samples_every_width_up_to_the_clients_maximum_uniformly():
-    method, _, assignment, local = fjord_local(top="g0.8")
+    method, _, tier, local = fjord_local(top="g0.8")
     # a client whose environment allows only g0.8 still trains g0.2 .. g0.8 (not g1)
-    assert assignment.tiers == ("g0.2", "g0.4", "g0.6", "g0.8") and local.widths[-1] == "g0.8"
-    assert method.assign(["g0.4", "g0.6"], None).tiers == ("g0.2", "g0.4", "g0.6")
+    assert tier == "g0.8" and local.widths == ["g0.2", "g0.4", "g0.6", "g0.8"]
+    assert method.assign(["g0.4", "g0.6"], None) == "g0.6"
     torch.manual_seed(1)
     draws = torch.tensor([local.sample_width() for _ in range(4000)])
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
@@ -74,12 +74,12 @@ def test_depthfl_prefixes_sit_at_the_nearest_block_boundary():
     method = config("depthfl").build_strategy()
     # ResNet20 blocks (stage order) end at parameter ratios .02 .04 .05 .11 .17 .24 .45 .73 1 (plus the
     # downsampling projections of skipped stages): nearest to .19/.39/.6/.8/1 are 5, 7, 8, 8, 9 blocks
-    assert method.bounds == {"g0.2": 5, "g0.4": 7, "g0.6": 8, "g0.8": 8, "g1": 9}
+    assert method.prefixes.bounds == {"g0.2": 5, "g0.4": 7, "g0.6": 8, "g0.8": 8, "g1": 9}
     full = count_params(method.compiled.create_global_model())
     ratios = [count_params(method.compiled[t].build()) / full for t in LEVELS]
     assert [round(r, 3) for r in ratios] == [0.184, 0.456, 0.728, 0.728, 1.0]
-    assert method.exits_of("g0.6") == ["g0.2", "g0.4", "g0.6"]
-    assert not any(k.startswith("fc.") for k in method.entries(Assignment("g1", ("g1",))))
+    assert method.prefixes.exits_of("g0.6") == ["g0.2", "g0.4", "g0.6"]
+    assert not any(k.startswith("fc.") for k in method.entries("g1"))
 
 
 def test_depthfl_tiers_match_gamma_within_005_where_blocks_allow():
@@ -87,7 +87,7 @@ def test_depthfl_tiers_match_gamma_within_005_where_blocks_allow():
             "tiers": [{"name": f"g{g}", "gamma": g, "gamma_w": g} for g in (0.2, 0.4, 0.6, 0.8, 1)]}
     method = parse_config({"method": "depthfl", "spec": spec}, "<test>").build_strategy()
     full = count_params(method.compiled.create_global_model())
-    for t in method.tier_names:
+    for t in method.info.levels:
         ratio = count_params(method.compiled[t].build()) / full  # without exits: the tier's own classifier
         assert abs(ratio - method.compiled[t].tier.gamma) <= 0.05, (t, ratio)
 
@@ -98,7 +98,7 @@ def test_depthfl_exits_read_the_features_at_their_prefix():
     method = config("depthfl").build_strategy()
     torch.manual_seed(0)
     state = method.init_global_state()
-    local = method.local_model(Assignment("g1", ("g1",)), SliceMap(dict(method.held["g1"])).extract(state)).train()
+    local = method.client_model("g1", SliceMap(dict(method.entries("g1"))).extract(state)).train()
     x = torch.randn(6, 1, 16, 16, generator=torch.Generator().manual_seed(3))
     logits = local.all_logits(x)
     for i, tier in enumerate(LEVELS):
@@ -114,7 +114,7 @@ def test_depthfl_mutual_distillation_is_the_average_kl_between_exits():
         method = config("depthfl", method_args={"kd": kd}).build_strategy()
         torch.manual_seed(0)
         state = method.init_global_state()
-        local = method.local_model(Assignment("g0.6", ("g0.6",)), SliceMap(dict(method.held["g0.6"])).extract(state)).train()
+        local = method.client_model("g0.6", SliceMap(dict(method.entries("g0.6"))).extract(state)).train()
         losses[kd], _ = local.loss(x, y)
         logits = local.all_logits(x)
     assert torch.allclose(losses[False], sum(F.cross_entropy(z, y) for z in logits), atol=1e-5)
@@ -130,12 +130,12 @@ def test_fedavg_has_no_step_sizes_to_learn(method):
     strategy = config(method, spec="specs/resnet20/nefl-d.yaml").build_strategy()
     torch.manual_seed(0)
     state = strategy.init_global_state()
-    tier = strategy.tier_names[0]
+    tier = strategy.info.levels[0]
     assert not any(k.endswith("step") or ".step@" in k for k in state)
-    local = strategy.local_model(Assignment(tier, (tier,)), SliceMap(dict(strategy.entries(Assignment(tier, (tier,))))).extract(state))
+    local = strategy.client_model(tier, SliceMap(dict(strategy.entries(tier))).extract(state))
     steps = {k: p for k, p in local.net.named_parameters() if k.endswith("step")}
     assert steps and all(not p.requires_grad and p.item() == 1.0 for p in steps.values())
-    assert local.state().keys() == strategy.entries(Assignment(tier, (tier,))).keys()
+    assert local.state().keys() == strategy.entries(tier).keys()
 
 
 # -- BN statistics at evaluation -------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_recompute_gives_the_same_statistics_whichever_method_calls_it():
     net = methods[0].compiled["g1"].load(methods[0].init_global_state())
     stats = []
     for m in methods:
-        model = m.with_bn(copy.deepcopy(net), "recompute", data)
+        model = with_bn(copy.deepcopy(net), "recompute", m.run, data)
         stats.append({k: v for k, v in model.state_dict().items() if "running" in k or "tracked" in k})
     assert all(s.keys() == stats[0].keys() and all(torch.equal(s[k], stats[0][k]) for k in s) for s in stats)
     # independently: 96 samples make two batches of 48 (of the 3 asked for); bn1 follows the stem
@@ -161,17 +161,19 @@ def test_recompute_gives_the_same_statistics_whichever_method_calls_it():
     per_channel = out.transpose(0, 1).flatten(1)
     assert torch.all(stats[0]["bn1.running_var"] > 0.5 * per_channel.var(1)) and torch.all(stats[0]["bn1.running_var"] < 2 * per_channel.var(1))
     # running: the statistics are the global state's, untouched
-    kept = methods[0].with_bn(copy.deepcopy(net), "running", data)
+    kept = with_bn(copy.deepcopy(net), "running", methods[0].run, data)
     assert torch.equal(kept.bn1.running_mean, net.bn1.running_mean)
 
 
 def test_eval_bn_both_reports_both_treatments_and_heterofl_always_recomputes():
-    assert config("nefl", eval={"bn": "recompute", "bn_both": True}).build_strategy().eval_bn == ("recompute", "running")
-    assert config("nefl").build_strategy().eval_bn == ("running",)
+    assert bn_treatments(config("nefl", eval={"bn": "recompute", "bn_both": True}).build_strategy().run) == ("recompute", "running")
+    assert bn_treatments(config("nefl").build_strategy().run) == ("running",)
     net = nn.Sequential(nn.BatchNorm1d(2))
     data = SimpleNamespace(train_eval=TensorDataset(torch.randn(40, 2), torch.zeros(40, dtype=torch.long)))
-    out = config("heterofl").build_strategy().with_bn(net, "running", data)  # static BN: recomputed anyway
+    heterofl = config("heterofl").build_strategy()
+    out = with_bn(net, "recompute", heterofl.run, data)
     assert out[0].num_batches_tracked.item() == 2 and not out.training  # 40 samples: batches of 32 and 8
+    assert heterofl.static_bn and not config("nefl").build_strategy().static_bn  # HeteroFL: recomputed whatever eval.bn says
 
 
 def test_bad_eval_and_method_settings_are_one_line_errors():

@@ -93,3 +93,22 @@ def test_compiled_spec_records_what_the_model_declares(tmp_path):
     save_file(weights, str(tmp_path / "w.safetensors"))
     model = compiled.create_global_model(str(tmp_path / "w.safetensors"))
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "channels, gamma_w, multiple, expected",
+    [
+        (24, 0.17, 8, 16),  # 9.90 -> 8 is 80.8% of it: raised
+        (16, 0.35, 8, 16),  # 9.47 -> 8 is 84.5%: raised
+        (64, 0.35, 16, 48),  # 37.86 -> 32 is 84.5%: raised
+        (64, 0.085, 16, 32),  # 18.66 -> 16 is 85.7%: raised
+        (20, 0.2, 8, 16),  # 8.94 -> 8 is 89.4%: raised
+        (16, 0.31, 8, 16),  # 8.91 -> 8 is 89.8%: raised
+        (16, 0.3025, 8, 8),  # 8.8 -> 8 is 90.9%: kept
+    ],
+)
+def test_scale_width_raises_every_width_between_80_and_90_percent(channels, gamma_w, multiple, expected):
+    """An aligned width below 90% of ``C * sqrt(gamma_w)`` goes up one multiple, however close to
+    90% it is (the bound was pinned only at exactly 90% and at 79%). Catches the one-line change
+    ``if width < 0.8 * exact:`` (or any bound from 0.8 to 0.898) in ``scale_width``."""
+    assert scale_width(channels, gamma_w, multiple) == expected

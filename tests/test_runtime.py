@@ -118,7 +118,7 @@ def test_corrupt_file_with_a_matching_hash_is_a_clear_error(export_copy):
     "edit, message",
     [
         (lambda m: m.pop("schema_version"), "schema_version: required key is missing"),
-        (lambda m: m.update(schema_version=2), "schema_version: unsupported version 2"),
+        (lambda m: m.update(schema_version=3), "schema_version: unsupported version 3"),
         (lambda m: m["tiers"][1].pop("sha256"), r"tiers\[1\].sha256: required key is missing"),
         (lambda m: m["input"].update(shape="32x32"), r"input.shape: Input should be a valid list"),
         (lambda m: m.update(tiers=[]), "tiers: List should have at least 1 item"),
@@ -591,3 +591,46 @@ def test_a_tier_whose_last_output_dimension_is_not_the_class_count_is_refused(ex
     message = f"{export_copy / 'manifest.json'}: output.num_classes: 10, but small.onnx gives 3 logits"
     with pytest.raises(ManifestError, match=f"^{re.escape(message)}$"):
         TierRuntime(export_copy).session("small")
+
+
+def test_a_load_reads_its_tier_file_once_and_runs_those_bytes(exported, export_copy, monkeypatch):
+    """Every open of ``small.onnx`` (``os.open``, ``open``, ``io.open``, so ``Path.read_bytes``
+    too) is counted, and right after each one the file is replaced by ``full.onnx``'s bytes (same
+    input and classes, other logits). A load opens the file once and runs the bytes it checked;
+    a cached session reads nothing; a new load reads the file once more and refuses the swapped
+    bytes. Catches the one-line change in ``create_session``
+    ``return session_from_bytes(read_tier(path, sha256, root) and Path(path).read_bytes(), ...)``
+    (a read after the check), and ``... and str(path), ...`` (the path handed to onnxruntime)."""
+    import builtins
+    import io
+    import os
+
+    small = export_copy / "small.onnx"
+    swapped_in = (export_copy / "full.onnx").read_bytes()
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    expected = small_logits(exported, x)
+    opens = []
+
+    def swapping(real):
+        def opener(file, *args, **kwargs):
+            result = real(file, *args, **kwargs)
+            if isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == os.path.realpath(small):
+                opens.append(file)
+                replacement = export_copy / "replacement.tmp"
+                with io.FileIO(replacement, "w") as f:  # not through the counted openers
+                    f.write(swapped_in)
+                os.replace(replacement, small)  # a new file: what was opened keeps its bytes
+            return result
+        return opener
+
+    monkeypatch.setattr(os, "open", swapping(os.open))
+    monkeypatch.setattr(io, "open", swapping(io.open))
+    monkeypatch.setattr(builtins, "open", swapping(builtins.open))
+    runtime = TierRuntime(export_copy)
+    np.testing.assert_allclose(runtime.run(x, "small"), expected, atol=1e-4)
+    assert len(opens) == 1
+    np.testing.assert_allclose(runtime.run(x, "small"), expected, atol=1e-4)  # the cached session
+    assert len(opens) == 1
+    with pytest.raises(ManifestError, match=r"small.onnx: sha256 .* does not match the manifest's"):
+        TierRuntime(export_copy).session("small")
+    assert len(opens) == 2

@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from nefl_zoo.files import CRASH_EXIT_CODE, DirLock, LockedError, atomic_write
-from nefl_zoo.fl import strategy as strategy_module
+from nefl_zoo.fl import registry
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.store import CHECKPOINT_JSON, CheckpointError, RunExistsError, RunStore, read_pointer, rng_states
-from nefl_zoo.fl.strategy import register_method
-from tests.test_fl_engine import tiny
+from nefl_zoo.fl.registry import register_method
+from tests.conftest import tiny
 from tests.test_fl_strategy import Counting  # NeFL with per-client and server state
 
 torch.set_num_threads(1)
@@ -41,13 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def counting_registered():
-    saved = dict(strategy_module.registered_methods())
+    saved = registry.registered_methods()
     register_method("store_counting", label="Counting")(Counting)
     try:
         yield
     finally:
-        strategy_module._METHODS.clear()
-        strategy_module._METHODS.update(saved)
+        registry._METHODS.clear()
+        registry._METHODS.update(saved)
 
 
 def fault_config(**overrides):

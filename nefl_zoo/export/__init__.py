@@ -5,8 +5,9 @@ For every tier the slim module (with that tier's step sizes and norms) is taken 
 convolutions where that leaves the output unchanged, and its inner channels are optionally
 zero-padded to an aligned width (:func:`pad_channels`). ``torch.onnx.export`` (the
 torch.export path) then writes it as one self-contained ``.onnx`` file. onnxruntime's output
-is checked against the PyTorch module on a random batch and the latency is measured; the
-manifest (:mod:`nefl_zoo.manifest`) records what every tier costs.
+is checked against the PyTorch module on a random batch and the latency is measured. INT8
+and FP16 versions are made from that FP32 file and checked against it; the manifest
+(:mod:`nefl_zoo.manifest`) records what every (tier, precision) costs.
 
 One job per module:
 
@@ -14,8 +15,13 @@ One job per module:
                 directory (spec.yaml, global.safetensors, metrics.jsonl, config.yaml)
     surgery     rewrites that keep the output: fold_batchnorm, pad_channels
     onnx_file   torch.onnx.export into one file, activation size, machine description
-    verify      one self-contained file, its sha256, parity with PyTorch (ATOL)
-    tiers       export_tiers: the above for every tier, then publishing files and manifest
+    verify      one self-contained file, its sha256, parity with PyTorch (ATOL), and a
+                quantized file's agreement with FP32
+    data        the images INT8 is calibrated on and quantized files are checked on
+    quantize    INT8 (onnxruntime static quantization, QDQ) and FP16 files from FP32
+    precisions  one tier's files at every precision: checked, measured, timed together
+    staging     the locked staging folder, and publishing files and manifest
+    tiers       export_tiers: the above for every tier
 """
 
 from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
@@ -30,11 +36,12 @@ from .onnx_file import (
 )
 from .sources import DATASETS, ExportSource, check_global_state, load_run_dir, load_source, read_accuracy, read_dataset
 from .surgery import fold_batchnorm, pad_channels
-from .tiers import export_tiers
+from .tiers import CALIBRATION_IMAGES, export_tiers
 from .verify import ATOL, ExportError, check_parity, check_single_file, tolerance_for
 
 __all__ = [
     "ATOL",
+    "CALIBRATION_IMAGES",
     "CIFAR10_CLASSES",
     "CLASS_NAMES",
     "DATASETS",

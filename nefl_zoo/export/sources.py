@@ -8,7 +8,9 @@ A run directory holds::
     metrics.jsonl        optional; the last line with an "acc" object {tier: accuracy}
                          gives each tier's test accuracy
     config.yaml          optional; data.dataset names the dataset (its normalisation and
-                         class names go into the manifest)
+                         class names go into the manifest); its data section is how the
+                         run's training and test images are loaded (INT8 calibration and
+                         accuracy measured on the test split; see nefl_zoo.export.data)
 
 A run written by ``nefl-zoo train`` also holds ``checkpoint.json``, its commit point: then the
 global state, the accuracy and the dataset come from the committed checkpoint it names (every
@@ -41,6 +43,7 @@ class ExportSource:
     description: str
     accuracy: dict[str, float] = field(default_factory=dict)
     dataset: str | None = None
+    data: dict | None = None  # a run's data config section (how its images are loaded)
 
 
 def load_source(source: str | Path, pretrained: str | None = None, seed: int = 0) -> ExportSource:
@@ -91,13 +94,14 @@ def _committed_run(path: Path, store) -> ExportSource:
     compiled = compile_spec(parse_spec(parse_yaml(store.read_spec_text(), str(spec_path), SpecError), str(spec_path)))
     check_global_state(compiled, checkpoint.state, str(path / "global.safetensors"))
     data = checkpoint.config.get("data")
-    dataset = data.get("dataset") if isinstance(data, dict) else None
+    data = data if isinstance(data, dict) else None
     return ExportSource(
         compiled,
         checkpoint.state,
         str(path),
         accuracy=last_accuracy(checkpoint.records, compiled.spec, str(path / CHECKPOINT_JSON)),
-        dataset=dataset if isinstance(dataset, str) else None,
+        dataset=_dataset(data),
+        data=data,
     )
 
 
@@ -115,12 +119,14 @@ def _plain_run_dir(path: Path) -> ExportSource:
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{state_path}: not a readable safetensors file ({exc})") from None
     check_global_state(compiled, state, str(state_path))
+    data = read_data_section(path / "config.yaml")
     return ExportSource(
         compiled,
         state,
         str(path),
         accuracy=read_accuracy(path / "metrics.jsonl", compiled.spec),
-        dataset=read_dataset(path / "config.yaml"),
+        dataset=_dataset(data),
+        data=data,
     )
 
 
@@ -174,12 +180,21 @@ def last_accuracy(records: list, spec: SubmodelSpec, source: str) -> dict[str, f
     return out
 
 
-def read_dataset(path: Path) -> str | None:
-    """``data.dataset`` of a run's ``config.yaml`` (``None`` when absent); a file that is not
-    valid YAML is a :class:`~nefl_zoo.spec.SpecError` (a ``ValueError``) naming it."""
+def read_data_section(path: Path) -> dict | None:
+    """The ``data`` section of a run's ``config.yaml`` (``None`` when absent); a file that is
+    not valid YAML is a :class:`~nefl_zoo.spec.SpecError` (a ``ValueError``) naming it."""
     if not path.is_file():
         return None
     config = read_yaml(path, SpecError)
     data = config.get("data") if isinstance(config, dict) else None
-    dataset = data.get("dataset") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def read_dataset(path: Path) -> str | None:
+    """``data.dataset`` of a run's ``config.yaml`` (``None`` when absent)."""
+    return _dataset(read_data_section(path))
+
+
+def _dataset(data: dict | None) -> str | None:
+    dataset = data.get("dataset") if data else None
     return dataset if isinstance(dataset, str) else None

@@ -2,31 +2,29 @@
 
 For each tier: take the slim module from :meth:`CompiledTier.load`, fold and pad it where that
 keeps the output (:mod:`.surgery`), write it (:mod:`.onnx_file`), check the file and its parity
-with onnxruntime (:mod:`.verify`) and time it. Files are staged and moved into place only when
-every tier passed, the manifest last. Each staging folder is locked (``flock``) by the export
-writing it; the next export into the same folder removes staging folders whose export died.
+with onnxruntime (:mod:`.verify`) and time it; then its INT8/FP16 versions, checked against it
+(:mod:`.precisions`). Files are staged and moved into place only when every tier passed, the
+manifest last (:mod:`.staging`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 from torch import nn
 
 from .. import __version__
 from ..datasets import CLASS_NAMES, NORMALIZATION
-from ..files import atomic_write
-from ..manifest import MANIFEST_NAME, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
+from ..manifest import PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers
 from ..timing import interleaved_median_ms
 from .onnx_file import (
@@ -39,9 +37,15 @@ from .onnx_file import (
     tier_filename,
     write_onnx,
 )
+from .data import ExportImages, export_images
+from .precisions import PrecisionFile, accuracy, precision_filename, precision_files, time_files
 from .sources import ExportSource
+from .staging import publish, staging
 from .surgery import fold_batchnorm, pad_channels
-from .verify import check_parity, check_single_file, hashed_session, same_output
+from .verify import ExportError, check_parity, check_single_file, hashed_session, same_output
+
+CALIBRATION_IMAGES = 256  # training images of a run that INT8 ranges are calibrated on
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,10 @@ class _TierOptions:
 
 @dataclass(frozen=True)
 class _ExportedTier:
-    """What exporting one tier measured."""
+    """What exporting one tier measured (its FP32 file)."""
 
+    data: bytes
+    session: ort.InferenceSession
     sha256: str
     opset: int
     num_classes: int
@@ -112,12 +118,12 @@ def _export_tier(
         opset = check_single_file(name, model, options.opset)
         sha256, session = hashed_session(data, str(file), options.threads)
         diff = check_parity(name, session, x, reference)
-        variants[align] = (file, model, opset, sha256, session, diff)
+        variants[align] = (file, model, opset, sha256, session, diff, data)
     feed = {INPUT_NAME: torch.randn(options.batch, *input_size, generator=generator).numpy()}
     runs = interleaved_median_ms({a: functools.partial(v[4].run, None, feed) for a, v in variants.items()},
                                  options.latency_runs, warmup_rounds=2)
     align = min(runs, key=runs.get)
-    file, model, opset, sha256, _, diff = variants[align]
+    file, model, opset, sha256, session, diff, data = variants[align]
     for other, (other_file, *_) in variants.items():
         if other != align and other_file != path:
             other_file.unlink()
@@ -127,7 +133,7 @@ def _export_tier(
         machine=options.machine,
     )
     return _ExportedTier(
-        sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
+        data, session, sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
         align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None,
     )
 
@@ -144,6 +150,11 @@ def export_tiers(
     latency_runs: int = 20,
     threads: int | None = None,
     channel_align: int | Literal["auto"] = 1,
+    precisions: Sequence[str] = ("fp32",),
+    calibration: np.ndarray | None = None,
+    calibration_source: str = "the images given",
+    calibration_images: int = CALIBRATION_IMAGES,
+    warn: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Export, verify and time the ``tiers`` (default: all) of ``source`` into ``out_dir``.
 
@@ -159,11 +170,19 @@ def export_tiers(
             files; the manifest's params and MACs stay the tier's own. ``"auto"``: each tier
             is exported plain and padded to :func:`cpu_channel_block`, both are timed
             (interleaved) and the faster is kept; the manifest records both latencies.
+        precisions: the files shipped per tier, of ``fp32``, ``int8`` and ``fp16``; INT8 and
+            FP16 files are made from the FP32 file and dropped with a warning when they fail
+            the check against it (:mod:`.precisions`).
+        calibration: images (normalised float32, N x C x H x W) that INT8 is calibrated on,
+            named by ``calibration_source``; default: ``calibration_images`` training images
+            of a run source.
+        warn: called with each warning (default: logged).
 
-    Files are written to a staging directory and moved into place only when every tier
-    passed, the manifest last (via a temporary file), so a failed export never leaves a
-    manifest that does not match its files. Raises :class:`ExportError` when onnxruntime and
-    PyTorch differ by more than ``ATOL * max(1, max |logit|)``.
+    A run source's test split (when its data loads) gives every file's accuracy and the
+    images the check uses. Files are written to a staging directory and moved into place
+    only when every tier passed, the manifest last (via a temporary file), so a failed export
+    never leaves a manifest that does not match its files. Raises :class:`ExportError` when
+    onnxruntime and PyTorch differ by more than ``ATOL * max(1, max |logit|)``.
     """
     compiled = source.compiled
     names = list(tiers) if tiers else list(compiled.tiers)
@@ -171,15 +190,23 @@ def export_tiers(
     if unknown:
         raise KeyError(f"unknown tier {unknown[0]!r}; tiers: {', '.join(compiled.tiers)}")
     dataset = dataset or source.dataset
+    precisions = list(dict.fromkeys(precisions))
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        raise ValueError(f"precisions: expected some of {', '.join(PRECISIONS)}, got {', '.join(precisions) or 'none'}")
     files = {name: tier_filename(name) for name in names}
-    if len(set(files.values())) != len(files):
-        raise ValueError(f"tiers {names} map to clashing file names {sorted(files.values())}")
+    every_file = [precision_filename(files[n], p) for n in names for p in ("fp32", *precisions)]
+    if len(set(every_file)) != len(dict.fromkeys((n, p) for n in names for p in ("fp32", *precisions))):
+        raise ValueError(f"tiers {names} map to clashing file names {sorted(every_file)}")
     if batch < 1 or not (channel_align == "auto" or (isinstance(channel_align, int) and channel_align >= 1)):
         raise ValueError(f"batch must be >= 1 and channel_align >= 1 or 'auto', got {batch} and {channel_align!r}")
     if opset is not None and opset < MIN_OPSET:
         raise ValueError(f"opset: the torch.export-based exporter writes opset {MIN_OPSET} or later, got {opset}")
+    if "int8" in precisions and calibration is None and source.data is None:
+        raise ValueError("int8: needs calibration images; export a run directory, or give a folder of images (--calibration)")
 
     check_batch_fits(compiled.create_global_model(), compiled.input_size, batch)
+    warn = warn or _log.warning
+    images = _images(source, precisions, calibration, calibration_source, calibration_images, warn)
     profiles = {p.name: p for p in profile_tiers(compiled)}
     options = _TierOptions(opset, batch_dynamic, batch, latency_runs, threads, channel_align, machine_description())
     out_dir = Path(out_dir)
@@ -187,38 +214,53 @@ def export_tiers(
         raise ValueError(f"{out_dir}: is a file; export writes a folder (tier files and manifest.json)")
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
-    with _staging(out_dir) as staging:
+    fixed_batch = None if batch_dynamic else batch
+    with staging(out_dir) as folder:
         entries = []
         for name in names:
             module = compiled[name].load(source.global_state).eval()
-            path = staging / files[name]
-            exported = _export_tier(name, module, compiled.input_size, path, options, generator)
+            exported = _export_tier(name, module, compiled.input_size, folder / files[name], options, generator)
+            fp32 = PrecisionFile("fp32", files[name], exported.sha256, exported.session, exported.activation_bytes_per_sample)
+            shipped = precision_files(name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn)
+            shipped = [f for f in shipped if f.precision in precisions]
+            latencies = {"fp32": exported.latency.median_ms}
+            if any(f.precision != "fp32" for f in shipped):  # every precision of the tier, in alternation
+                feed = torch.randn(batch, *compiled.input_size, generator=generator).numpy()
+                latencies = time_files(shipped, feed, latency_runs)
             prof = profiles[name]
-            entries.append(
-                TierEntry(
-                    name=name,
-                    file=files[name],
-                    sha256=exported.sha256,
-                    params=prof.params,
-                    params_ratio=prof.params_ratio,
-                    macs=prof.macs,
-                    macs_ratio=prof.macs_ratio,
-                    gamma=prof.gamma,
-                    gamma_w=prof.gamma_w,
-                    blocks_per_stage=prof.blocks_per_stage,
-                    accuracy=source.accuracy.get(name),
-                    batchnorm_folded=exported.batchnorm_folded,
-                    channel_align=exported.channel_align,
-                    channel_align_ms=exported.channel_align_ms,
-                    max_abs_diff=exported.max_abs_diff,
-                    weights_mb=path.stat().st_size / 2**20,
-                    activation_mb_per_sample=exported.activation_bytes_per_sample / 2**20,
-                    latency=exported.latency,
+            for file in shipped:
+                measured = accuracy(file, images.labels if images else None)
+                entries.append(
+                    TierEntry(
+                        name=name,
+                        precision=file.precision,
+                        file=file.file,
+                        sha256=file.sha256,
+                        params=prof.params,
+                        params_ratio=prof.params_ratio,
+                        macs=prof.macs,
+                        macs_ratio=prof.macs_ratio,
+                        gamma=prof.gamma,
+                        gamma_w=prof.gamma_w,
+                        blocks_per_stage=prof.blocks_per_stage,
+                        accuracy=measured if measured is not None or file.precision != "fp32" else source.accuracy.get(name),
+                        accuracy_on=images.test_source if measured is not None else None,
+                        batchnorm_folded=exported.batchnorm_folded,
+                        channel_align=exported.channel_align,
+                        channel_align_ms=exported.channel_align_ms,
+                        max_abs_diff=file.agreement.max_abs_diff if file.agreement else exported.max_abs_diff,
+                        vs_fp32=file.agreement,
+                        calibration=file.calibration,
+                        weights_mb=(folder / file.file).stat().st_size / 2**20,
+                        activation_mb_per_sample=file.activation_bytes_per_sample / 2**20,
+                        latency=exported.latency.model_copy(update={"median_ms": latencies[file.precision]}),
+                    )
                 )
-            )
+        if not entries:
+            raise ExportError("no file passed its check against FP32; nothing to ship")
         normalization = NORMALIZATION.get(dataset) if dataset else None
         manifest = Manifest(
-            schema_version=1,
+            schema_version=SCHEMA_VERSION,
             model=compiled.spec.model,
             model_args=compiled.spec.model_args,
             source=source.description,
@@ -227,7 +269,7 @@ def export_tiers(
             input=InputSpec(
                 name=INPUT_NAME,
                 shape=list(compiled.input_size),
-                batch=None if batch_dynamic else batch,
+                batch=fixed_batch,
                 normalization=Normalization(mean=list(normalization[0]), std=list(normalization[1]))
                 if normalization
                 else None,
@@ -237,72 +279,23 @@ def export_tiers(
             class_names=list(CLASS_NAMES[dataset]) if dataset in CLASS_NAMES else None,
             tiers=entries,
         )
-        _publish(staging, out_dir, manifest)
+        publish(folder, out_dir, manifest)
     return manifest
 
 
-STAGING_PREFIX = ".export-"
-_LOCK_NAME = ".lock"
-_YOUNG_S = 60.0  # a staging folder without a lock file yet may be an export that is starting
+def _images(
+    source: ExportSource, precisions: list[str], calibration: np.ndarray | None, calibration_source: str,
+    calibration_images: int, warn: Callable[[str], None],
+) -> ExportImages | None:
+    """The images INT8/FP16 files are calibrated and checked on and accuracy is measured on;
+    ``None`` when nothing needs them (FP32 only, from a spec)."""
+    if source.data is None and precisions == ["fp32"]:
+        return None
+    images = export_images(
+        source.data, source.compiled.input_size, calibration=calibration, calibration_source=calibration_source,
+        train_images=calibration_images, warn=warn,
+    )
+    if "int8" in precisions and images.calibration is None:
+        raise ValueError("int8: needs calibration images and the run's data cannot be loaded; give a folder of images (--calibration)")
+    return images
 
-
-@contextlib.contextmanager
-def _staging(out_dir: Path) -> Iterator[Path]:
-    """A new staging folder in ``out_dir``, locked with an exclusive ``flock`` on its ``.lock``
-    while the export runs (the kernel releases it when the process dies, which is how
-    :func:`remove_stale_staging` recognises a dead export's folder) and removed afterwards.
-    Stale folders of earlier, killed exports are removed first."""
-    remove_stale_staging(out_dir)
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
-    try:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock (and no clean-up of other folders)
-            yield staging
-            return
-        with open(staging / _LOCK_NAME, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def remove_stale_staging(out_dir: Path) -> list[Path]:
-    """Remove the staging folders in ``out_dir`` left by exports that died (no process holds
-    their lock any more); folders of running exports are left alone. Returns those removed."""
-    try:
-        import fcntl
-    except ImportError:
-        return []
-    removed = []
-    for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
-        if folder.is_symlink() or not folder.is_dir():
-            continue
-        lock_path = folder / _LOCK_NAME
-        try:
-            if not lock_path.exists():
-                if time.time() - folder.stat().st_mtime < _YOUNG_S:
-                    continue  # perhaps an export between creating its folder and locking it
-            else:
-                with open(lock_path, "a") as lock:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except OSError:
-                        continue  # a running export holds it
-        except OSError:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
-
-
-def _publish(staging: Path, out_dir: Path, manifest: Manifest) -> None:
-    """Move verified tier files into ``out_dir`` and write the manifest atomically.
-
-    The old manifest is removed first, so an interruption leaves no manifest rather than one
-    whose hashes do not match the files next to it.
-    """
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    for entry in manifest.tiers:
-        os.replace(staging / entry.file, out_dir / entry.file)
-    atomic_write(out_dir / MANIFEST_NAME, lambda p: p.write_text(manifest.model_dump_json(indent=2) + "\n"))

@@ -6,18 +6,21 @@ loads for the parity check (:func:`hashed_session`), never the path a second tim
 Outputs agree when their largest absolute difference is at most
 ``ATOL * max(1, max |reference logit|)`` (:func:`tolerance_for`); the same bound decides
 whether a rewrite (:mod:`nefl_zoo.export.surgery`) may be used and whether onnxruntime's
-output matches the PyTorch module.
+output matches the PyTorch module. INT8 and FP16 files are held to looser bounds against
+their tier's FP32 file (:func:`agreement_problem`).
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
 
+from ..manifest import Agreement
 from ..runtime import session_from_bytes
 from .onnx_file import INPUT_NAME
 
@@ -70,3 +73,25 @@ def check_parity(name: str, session: ort.InferenceSession, x: torch.Tensor, refe
             f"(1e-4 x max(1, max |logit| = {float(reference.abs().max()):.3g}))"
         )
     return diff
+
+
+# ---- INT8 / FP16 files against their tier's FP32 file ------------------------------------
+# A quantized file ships only when, on images calibration never saw, it gives the FP32 file's
+# top-1 class on at least MIN_TOP1_AGREEMENT of them and its largest logit difference is at
+# most MAX_RELATIVE_ERROR x max(1, max |FP32 logit|).
+MIN_TOP1_AGREEMENT = {"int8": 0.95, "fp16": 0.98}
+MAX_RELATIVE_ERROR = {"int8": 0.25, "fp16": 0.01}
+
+
+def check_agreement(name: str, precision: str, reference: np.ndarray, logits: np.ndarray) -> Agreement:
+    """How the ``precision`` file's ``logits`` agree with the FP32 ``reference`` logits of the
+    same images; :class:`ExportError` when that is below the bounds above (or not finite)."""
+    diff = float(np.abs(logits.astype(np.float64) - reference).max())
+    relative = diff / max(1.0, float(np.abs(reference).max()))
+    top1 = float((logits.argmax(1) == reference.argmax(1)).mean())
+    low, high = MIN_TOP1_AGREEMENT[precision], MAX_RELATIVE_ERROR[precision]
+    if not top1 >= low:
+        raise ExportError(f"tier {name} {precision}: top-1 agreement with FP32 {top1:.3f} < {low}")
+    if not relative <= high:
+        raise ExportError(f"tier {name} {precision}: logit error {relative:.3g} x max(1, max |FP32 logit|) > {high}")
+    return Agreement(images=len(reference), top1_agreement=top1, max_abs_diff=diff, relative_error=relative)

@@ -20,7 +20,7 @@ import numpy as np
 from .bn import BN_TREATMENTS
 from .config import RunConfig, parse_config
 from .engine import Engine, RunObserver, RunResult
-from .strategy import get_method
+from .registry import get_method
 
 
 @dataclass(frozen=True)

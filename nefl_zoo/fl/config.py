@@ -17,7 +17,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec
 from ..userfiles import format_validation_error, parse_yaml, read_yaml
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
-from .strategy import Strategy, get_method, parse_settings, registered_methods
+from .registry import get_method, parse_settings, registered_methods
+from .strategy import Run, Strategy
 
 MAX_SEED = 2**32 - 1  # what every RNG seeded from it (Python, NumPy, torch) takes
 
@@ -28,7 +29,8 @@ class ConfigError(SpecError):
 
 # keys that moved from the shared sections into a method's own ``method_args``
 MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
-         ("eval", "bn_recompute_batches"): "eval.bn_batches"}
+         ("eval", "bn_recompute_batches"): "eval.bn_batches",
+         ("method_args", "bn_recompute_batches"): "eval.bn: recompute and eval.bn_batches (method: fedlps; null: eval.bn: running)"}
 
 
 class RunConfig(Strict):
@@ -82,13 +84,8 @@ class RunConfig(Strict):
 
     def build_strategy(self) -> Strategy:
         """The method's strategy object, set up from this config."""
-        cls = get_method(self.method)
-        return cls(
-            self.submodel_spec(), self.train, parse_settings(self.method, self.method_args),
-            seed=self.seed, rounds=self.rounds, fraction=self.clients.fraction, eval_batch_size=self.eval.batch_size,
-            eval_per_client=self.eval.per_client, eval_bn=self.eval.bn, eval_bn_batches=self.eval.bn_batches,
-            eval_bn_both=self.eval.bn_both,
-        )
+        run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval)
+        return get_method(self.method)(run, parse_settings(self.method, self.method_args))
 
     def data_root(self) -> Path:
         root = Path(self.data.root)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from ..datasets import NORMALIZATION
-from .config import DataConfig
+from .settings import DataConfig
 
 EXPECTED_FILES = {
     "cifar10": "cifar-10-batches-py/data_batch_1..5 and test_batch",

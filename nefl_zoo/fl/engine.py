@@ -76,18 +76,19 @@ class Engine:
     def __init__(self, config: RunConfig, out_dir: str | Path):
         self.config = config
         self.strategy: Strategy = config.build_strategy()
+        info = self.strategy.info
         levels = [t.name for t in config.submodel_spec().tiers]
         groups = client_groups(config, levels)
         m = config.clients.num_clients
         self.clients = [ClientInfo(c, tuple(groups[c * len(groups) // m])) for c in range(m)]
-        self.data: FederatedData = load_data(config.data, config.data_root(), self.strategy.input_size, m, config.seed)
-        if self.strategy.num_classes != self.data.num_classes:
+        self.data: FederatedData = load_data(config.data, config.data_root(), info.input_size, m, config.seed)
+        if info.num_classes != self.data.num_classes:
             raise ValueError(
                 f"{config.data.dataset} has {self.data.num_classes} classes but the model outputs "
-                f"{self.strategy.num_classes} (set spec model_args.num_classes)"
+                f"{info.num_classes} (set spec model_args.num_classes)"
             )
         columns = ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s",
-                   "worst", "avg", *(f"acc_{t}" for t in self.strategy.tier_names)]
+                   "worst", "avg", *(f"acc_{t}" for t in info.eval_names)]
         self.store = RunStore(out_dir, columns)
         self.state: dict[str, torch.Tensor] = {}
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
@@ -112,15 +113,15 @@ class Engine:
         up = sum(_nbytes(r.arrays) for r in replies.values())
         self.totals["bytes_down"] += down
         self.totals["bytes_up"] += up
-        tiers = [str(i.config["tier"]) for i in instructions.values()]
-        losses = [float(r.metrics["loss"]) for r in replies.values() if "loss" in r.metrics]
-        order = self.strategy.tier_names
+        tiers = [i.level for i in instructions.values() if i.level is not None]
+        losses = [float(r.loss) for r in replies.values() if r.loss is not None]
+        order = {t: i for i, t in enumerate(self.strategy.info.levels)}
         return {
             "round": server_round,
             "lr": learning_rate(self.config.train, round_index, self.config.rounds),
             "clients": result.accepted,
             "rejected": len(result.rejected),
-            "tiers": {t: tiers.count(t) for t in sorted(set(tiers), key=order.index)},
+            "tiers": {t: tiers.count(t) for t in sorted(set(tiers), key=lambda t: (order.get(t, len(order)), t))},
             "train_loss": float(np.mean(losses)) if losses else float("nan"),
             "bytes_down": down,
             "bytes_up": up,
@@ -128,7 +129,7 @@ class Engine:
             "bytes_up_per_client": up // max(1, len(replies)),
             "cum_bytes": self.totals["bytes_down"] + self.totals["bytes_up"],
             "per_client": {
-                str(cid): {"tier": str(i.config["tier"]), "bytes_down": _nbytes(i.arrays),
+                str(cid): {"tier": i.level, "bytes_down": _nbytes(i.arrays),
                            "bytes_up": _nbytes(replies[cid].arrays) if cid in replies else 0}
                 for cid, i in instructions.items()
             },
@@ -194,7 +195,7 @@ class Engine:
         if resume:
             self._restore()
         else:
-            spec = self.strategy.global_spec.model_dump(mode="json", exclude_none=True)
+            spec = self.strategy.info.spec.model_dump(mode="json", exclude_none=True)
             self.store.create(cfg.to_dict(), spec, overwrite)
             torch.manual_seed(cfg.seed)
             self.state = self.strategy.init_global_state()

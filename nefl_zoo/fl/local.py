@@ -23,11 +23,12 @@ class LocalModel(nn.Module, abc.ABC):
 
 
 class SubmodelLocal(LocalModel):
-    """One slim submodel trained with cross-entropy (NeFL, FedAvg)."""
+    """One slim submodel trained with cross-entropy (NeFL, FedAvg); its state leaves out the
+    ``exclude`` keys (e.g. step sizes kept constant)."""
 
-    def __init__(self, net: nn.Module):
+    def __init__(self, net: nn.Module, exclude: Iterable[str] = ()):
         super().__init__()
-        self.net = net
+        self.net, self.exclude = net, frozenset(exclude)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -37,7 +38,7 @@ class SubmodelLocal(LocalModel):
         return F.cross_entropy(logits, y), logits
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items() if k not in self.exclude}
 
 
 def load_entries(module: nn.Module, state: Mapping[str, torch.Tensor], unused: Iterable[str] = ()) -> None:

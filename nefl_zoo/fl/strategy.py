@@ -1,34 +1,32 @@
-"""The strategy interface of every FL method, shaped like Flower's, and the method registry.
+"""The one extension interface of every FL method, shaped like Flower's ``Strategy``.
 
-A method is a :class:`Strategy`: server-side hooks (:meth:`~Strategy.configure_train`,
-:meth:`~Strategy.aggregate_train`, :meth:`~Strategy.evaluate`) and one client-side hook
-(:meth:`~Strategy.train`). An engine only calls the hooks (the in-process
-:class:`~nefl_zoo.fl.engine.Engine`; a Flower adapter maps them 1:1 onto Flower's
-``Strategy``/``ClientApp``). Messages are plain data: :class:`Instruction` and :class:`Reply`
-hold tensors keyed by name plus a flat dict of scalars, i.e. Flower's ``ArrayRecord`` plus
-``ConfigRecord``/``MetricRecord``, without importing Flower.
+A method is a :class:`Strategy`: five hooks it must write, the server-side
+:meth:`~Strategy.init_global_state`, :meth:`~Strategy.configure_train`,
+:meth:`~Strategy.aggregate_train` and :meth:`~Strategy.evaluate`, and the client-side
+:meth:`~Strategy.train`; optional hooks for client-side evaluation and server state have
+defaults. An engine only calls the hooks (the in-process :class:`~nefl_zoo.fl.engine.Engine`;
+under Flower the same engine with Flower as its transport). Its constructor takes the run
+(:class:`Run`) and its own settings and sets :attr:`Strategy.info` (what the engine needs to
+know); it calls no overridable method. Shared pieces (sampling, nested submodels, evaluation
+under each BN treatment, ...) are plain functions and one composable strategy in
+:mod:`.strategy_utils`; the registry is :mod:`.registry`.
 
-Methods register themselves with :func:`register_method` (name, table label, settings model);
-their own settings come from ``method_args`` in the run config.
+Messages are plain data: :class:`Instruction` and :class:`Reply` hold tensors keyed by name, a
+flat dict of scalars (Flower's ``ArrayRecord`` plus ``ConfigRecord``/``MetricRecord``) and
+typed fields for what the engine reads (the level a client trains, its sample count and loss).
 """
 
 from __future__ import annotations
 
 import abc
-import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar, Union
+from typing import ClassVar, Mapping, Union
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
-from .bn import BN_TREATMENTS, recompute_batches, recompute_bn
-
-if TYPE_CHECKING:
-    from ..slim import CompiledSpec
-from .settings import TrainConfig
+from .settings import EvalConfig, TrainConfig
 
 Scalar = Union[int, float, str, bool]
 ConfigValue = Union[Scalar, list[str], list[int], list[float]]
@@ -37,20 +35,26 @@ State = dict[str, torch.Tensor]
 
 @dataclass
 class Instruction:
-    """What the server sends one client: tensors (its submodel) and a flat config
-    (``round``, ``tier``, ``lr``, ``local_epochs``, ``seed``, ... ; scalars or lists of them)."""
+    """What the server sends one client: tensors, a flat config (``round``, ``lr``,
+    ``local_epochs``, ``seed``, ...; scalars or lists of them) and the resource level (tier)
+    the client trains or evaluates at (``None``: the method has no levels)."""
 
     arrays: State
-    config: dict[str, ConfigValue]
+    config: dict[str, ConfigValue] = field(default_factory=dict)
+    level: str | None = None
 
 
 @dataclass
 class Reply:
-    """What a client returns: trained tensors and flat metrics (``num_samples``, ``loss``,
-    ``tier``, ...). ``error`` is set when the client failed; the server skips such replies."""
+    """What a client returns: tensors, flat method-specific metrics, its sample count, mean
+    training loss (``None``: it did not train) and level. ``error`` is set when the client
+    failed; the server skips such replies."""
 
     arrays: State
-    metrics: dict[str, ConfigValue]
+    metrics: dict[str, ConfigValue] = field(default_factory=dict)
+    num_samples: int = 0
+    loss: float | None = None
+    level: str | None = None
     error: str | None = None
 
 
@@ -73,6 +77,42 @@ class Aggregate:
     rejected: list[tuple[int | str, str]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Run:
+    """What every method gets from the run configuration: the spec (its tiers are the
+    environment's resource levels), local training, the seed, the total rounds (learning-rate
+    schedule), the share of clients sampled per round and the evaluation settings."""
+
+    spec: SubmodelSpec
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    rounds: int = 1
+    fraction: float = 1.0
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What the engine needs to know about a method, set by its constructor.
+
+    Args:
+        spec: the spec of the global state (the run directory's ``spec.yaml``).
+        input_size: the model input (C, H, W).
+        num_classes: classes the models predict (checked against the dataset's).
+        levels: the resource levels clients train at (the order of a round record's ``tiers``).
+        eval_names: the accuracies :meth:`Strategy.evaluate` reports by plain name (the CSV
+            columns ``acc_NAME``; worst and average are over them).
+        numel: elements a client receives for each name of ``levels`` and ``eval_names``.
+    """
+
+    spec: SubmodelSpec
+    input_size: tuple[int, int, int]
+    num_classes: int
+    levels: tuple[str, ...]
+    eval_names: tuple[str, ...]
+    numel: Mapping[str, int] = field(default_factory=dict)
+
+
 class MethodSettings(BaseModel):
     """Base of a method's own settings (``method_args``); unknown keys and NaN/inf are errors."""
 
@@ -83,72 +123,24 @@ class Strategy(abc.ABC):
     """Abstract base of every method.
 
     Args:
-        spec: the run's submodel spec; its tiers are the environment's resource levels.
-        train: local training settings shared by all methods.
-        settings: this method's own settings (an instance of its ``Settings`` model).
-        seed: the run seed (client sampling, per-client seeds, initial weights).
-        rounds: total rounds (learning-rate schedule).
-        fraction: share of clients sampled per round.
-        eval_batch_size: batch size of evaluation.
-        eval_per_client: evaluate on the clients' own test splits instead of the server's test set.
-        eval_bn: BN statistics of the reported accuracies, ``running`` or ``recompute`` (:mod:`.bn`).
-        eval_bn_batches: training batches for ``recompute``.
-        eval_bn_both: also evaluate the other treatment (see :meth:`evaluate`).
+        run: the run (:class:`Run`).
+        settings: this method's own settings (an instance of its ``Settings`` model; default:
+            the model's defaults).
 
-    Subclasses implement the hooks; ``server_round`` is 1-based, as in Flower.
+    A subclass's constructor sets :attr:`info`. ``server_round`` is 1-based, as in Flower.
+    ``name``, ``label`` and ``Settings`` are set by :func:`~nefl_zoo.fl.registry.register_method`.
     """
 
     name: ClassVar[str]
     label: ClassVar[str]
     Settings: ClassVar[type[MethodSettings]] = MethodSettings
+    info: MethodInfo
 
-    def __init__(
-        self,
-        spec: SubmodelSpec,
-        train: TrainConfig,
-        settings: MethodSettings | None = None,
-        *,
-        seed: int = 0,
-        rounds: int = 1,
-        fraction: float = 1.0,
-        eval_batch_size: int = 256,
-        eval_per_client: bool = False,
-        eval_bn: str = "running",
-        eval_bn_batches: int = 20,
-        eval_bn_both: bool = False,
-    ):
-        self.run_spec = spec
-        self.train_config = train
+    def __init__(self, run: Run, settings: MethodSettings | None = None):
+        self.run = run
         self.settings = settings if settings is not None else self.Settings()
-        self.seed, self.rounds, self.fraction = seed, rounds, fraction
-        self.eval_batch_size, self.eval_per_client = eval_batch_size, eval_per_client
-        #: the BN treatments evaluated, the reported one first
-        self.eval_bn: tuple[str, ...] = (eval_bn, *(t for t in BN_TREATMENTS if t != eval_bn and eval_bn_both))
-        self.eval_bn_batches = eval_bn_batches
-
-    # -- what the engine needs to know -------------------------------------------------------
-    @property
-    @abc.abstractmethod
-    def tier_names(self) -> list[str]:
-        """The submodels this method trains and evaluates."""
-
-    @property
-    @abc.abstractmethod
-    def global_spec(self) -> SubmodelSpec:
-        """The spec of the global state (written to the run directory's ``spec.yaml``)."""
-
-    @property
-    @abc.abstractmethod
-    def input_size(self) -> tuple[int, int, int]:
-        """The model input (C, H, W)."""
-
-    @property
-    @abc.abstractmethod
-    def num_classes(self) -> int:
-        """Classes the models predict."""
 
     # -- server side ---------------------------------------------------------------------
-
     @abc.abstractmethod
     def init_global_state(self) -> State:
         """The initial global state (the caller seeds torch's RNG)."""
@@ -162,28 +154,23 @@ class Strategy(abc.ABC):
         """Merge the clients' replies into a new global state.
 
         The previous state is an argument (not remembered between hooks) because elements no
-        reply holds keep their value; the hook is a pure function of its inputs."""
+        reply holds keep their value."""
 
     @abc.abstractmethod
     def evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], data) -> dict[str, float]:
-        """Server-side evaluation: accuracy per submodel name on ``data``
-        (:class:`~nefl_zoo.fl.data.FederatedData`).
+        """Server-side evaluation on ``data`` (:class:`~nefl_zoo.fl.data.FederatedData`):
+        accuracy per name of ``info.eval_names``.
 
-        Keys holding ``/`` are further metrics, not submodels (not in worst/avg): e.g.
-        ``recompute/g0.2``, a submodel under one BN treatment, or ``running/ensemble``."""
+        Keys holding ``/`` are further metrics (not in worst/avg): e.g. ``recompute/g0.2``, a
+        submodel under one BN treatment, or ``running/ensemble``."""
 
     def configure_evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """Clients to evaluate on their own held-out data, and what each receives
-        (none by default: :meth:`evaluate` scores the global state on the server)."""
+        """Clients that evaluate on their own test split, and their instructions (none by default)."""
         return {}
 
     def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
-        """Accuracy per submodel name from the clients' evaluation replies."""
+        """Accuracy per name from the clients' evaluation replies."""
         return {}
-
-    @abc.abstractmethod
-    def submodel_numel(self, tier: str) -> int:
-        """Elements a client training ``tier`` receives (for summaries)."""
 
     # -- client side ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -206,103 +193,6 @@ class Strategy(abc.ABC):
         if state:
             raise ValueError(f"{self.name}: keeps no server state, got {sorted(state)[:3]}")
 
-    # -- shared machinery for subclasses -------------------------------------------------
-    def sample(self, server_round: int, clients: list[ClientInfo]) -> list[ClientInfo]:
-        """This round's clients: ``round(fraction * n)`` (at least one), seeded by run seed and
-        round, in the order of ``clients``."""
-        rng = random.Random(f"{self.seed}:sample:{server_round - 1}")
-        picked = sorted(rng.sample(range(len(clients)), max(1, round(self.fraction * len(clients)))))
-        return [clients[i] for i in picked]
-
-    def client_seed(self, server_round: int, cid: int) -> int:
-        """The seed of one client's local training in one round."""
-        return int(np.random.SeedSequence([self.seed, server_round - 1, cid]).generate_state(1)[0])
-
-    def train_config_for(self, server_round: int, cid: int) -> dict[str, ConfigValue]:
-        """The instruction config of local training: round, client, seed, lr and the
-        :class:`~nefl_zoo.fl.settings.TrainConfig` fields a client needs."""
-        from .client import learning_rate
-
-        cfg = self.train_config
-        out: dict[str, ConfigValue] = {
-            "round": server_round, "client": cid, "seed": self.client_seed(server_round, cid),
-            "lr": learning_rate(cfg, server_round - 1, self.rounds), "local_epochs": cfg.local_epochs,
-            "batch_size": cfg.batch_size, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
-        }
-        if cfg.grad_clip is not None:
-            out["grad_clip"] = cfg.grad_clip
-        return out
-
-    def with_bn(self, model: torch.nn.Module, treatment: str, data) -> torch.nn.Module:
-        """``model`` in eval mode with the BN statistics of ``treatment`` (``recompute``: on
-        ``data.train_eval`` batches of the run seed, :func:`~nefl_zoo.fl.bn.recompute_bn`)."""
-        if treatment == "recompute":
-            batches = recompute_batches(data.train_eval, self.train_config.batch_size, self.seed, self.eval_bn_batches)
-            recompute_bn(model, batches)
-        return model.eval()
-
-    def reply_weight(self, reply: Reply) -> float:
-        """A reply's aggregation weight: 1 per client (the paper) or its sample count."""
-        return 1.0 if self.train_config.weighting == "clients" else float(reply.metrics["num_samples"])
-
-
-class CompiledStrategy(Strategy):
-    """A strategy whose submodels are the tiers of a compiled spec, ``self.compiled``
-    (:class:`~nefl_zoo.slim.CompiledSpec`, set by the subclass's ``__init__``)."""
-
-    compiled: "CompiledSpec"
-
-    @property
-    def tier_names(self) -> list[str]:
-        return list(self.compiled.tiers)
-
-    @property
-    def global_spec(self) -> SubmodelSpec:
-        return self.compiled.spec
-
-    @property
-    def input_size(self) -> tuple[int, int, int]:
-        return self.compiled.input_size
-
-    @property
-    def num_classes(self) -> int:
-        return self.compiled.num_classes
-
-
-# -- the registry ----------------------------------------------------------------------------
-_METHODS: dict[str, type[Strategy]] = {}
-S = TypeVar("S", bound=type[Strategy])
-
-
-def register_method(name: str, label: str, settings: type[MethodSettings] = MethodSettings) -> Callable[[S], S]:
-    """Class decorator: register a :class:`Strategy` under ``name`` with a table ``label`` and
-    its settings model (validated from ``method_args``)."""
-
-    def wrap(cls: S) -> S:
-        if name in _METHODS:
-            raise ValueError(f"method {name!r} is registered twice ({_METHODS[name].__qualname__}, {cls.__qualname__})")
-        cls.name, cls.label, cls.Settings = name, label, settings
-        _METHODS[name] = cls
-        return cls
-
-    return wrap
-
-
-def registered_methods() -> dict[str, type[Strategy]]:
-    """Every registered method by name (importing the built-in ones)."""
-    from . import methods as _builtin  # noqa: F401  (registers nefl, heterofl, ...)
-
-    return dict(_METHODS)
-
-
-def get_method(name: str) -> type[Strategy]:
-    """The method registered as ``name``; ``KeyError`` with the known names otherwise."""
-    known = registered_methods()
-    if name not in known:
-        raise KeyError(f"unknown method {name!r}; one of {', '.join(known)}")
-    return known[name]
-
-
-def parse_settings(name: str, args: Mapping[str, Any]) -> MethodSettings:
-    """Validate ``method_args`` for method ``name`` (pydantic ``ValidationError`` on a problem)."""
-    return get_method(name).Settings.model_validate(dict(args))
+    def submodel_numel(self, name: str) -> int:
+        """Elements a client of ``name`` receives (``info.numel``; for summaries)."""
+        return self.info.numel[name]

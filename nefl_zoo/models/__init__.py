@@ -1,6 +1,6 @@
 """The model zoo: nested-ready networks registered by name."""
 
-from . import resnet, vit  # noqa: F401  (registers the models)
+from . import efficientnet, mobilenet, resnet, shufflenet, vit  # noqa: F401  (registers the models)
 from .args import ModelArgs, ModelArgsError
 from .base import NestedNet, count_params, scale_width
 from .pretrained import load_pretrained

@@ -79,7 +79,9 @@ class NestedNet(nn.Module):
       FULL architecture. A stage is an ``nn.Sequential`` whose blocks are named by their index
       in the full architecture (removed blocks leave gaps); every block declares
       ``step_names`` (its step parameters) and ``branch_parameters()`` (what disappears
-      when the block is removed).
+      when the block is removed). A family whose blocks sit in one flat ``nn.Sequential``
+      (torchvision's MobileNets) overrides :meth:`stage_blocks` and :meth:`forward_stage`.
+      Blocks without a shortcut that could stand in for them are listed by :meth:`fixed_blocks`.
     - ``num_classes``, ``num_features`` (width the classifier reads) and ``feature_info``
       (per stage ``{"module", "num_chs", "reduction"}``).
     - ``default_cfg``: ``classifier`` and ``first_conv`` (module names), ``input_size`` (C, H, W).
@@ -106,11 +108,25 @@ class NestedNet(nn.Module):
         """Pool the features and, unless ``pre_logits``, classify them."""
         raise NotImplementedError
 
+    def stage_blocks(self, stage: int) -> Iterator[tuple[int, nn.Module]]:
+        """(index in the full stage, block) of every block of ``stage`` this instance has."""
+        for j, block in self.get_submodule(self.stage_names[stage]).named_children():
+            yield int(j), block
+
+    def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        """The output of stage ``stage`` (its index) for input ``x``."""
+        return self.get_submodule(self.stage_names[stage])(x)
+
+    def fixed_blocks(self) -> set[tuple[int, int]]:
+        """(stage, block) of the blocks of the full architecture that cannot be removed (step 0):
+        none by default (a ResNet keeps a removed first block's projection shortcut)."""
+        return set()
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Unpooled features: stem, every stage, final norm."""
         x = self.forward_stem(x)
-        for name in self.stage_names:
-            x = getattr(self, name)(x)
+        for i in range(len(self.stage_names)):
+            x = self.forward_stage(i, x)
         return self.forward_norm(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +146,8 @@ class NestedNet(nn.Module):
         last = max(taken) if stop_early else len(self.stage_names) - 1
         x = self.forward_stem(x)
         intermediates = []
-        for i, name in enumerate(self.stage_names[: last + 1]):
-            x = getattr(self, name)(x)
+        for i in range(last + 1):
+            x = self.forward_stage(i, x)
             if i in taken:
                 intermediates.append(x)
         if intermediates_only:
@@ -147,9 +163,9 @@ class NestedNet(nn.Module):
         (Not ``blocks()``: timm's ViT names its stage ``blocks``, and the state dict keeps
         timm's names.)
         """
-        for s, name in enumerate(self.stage_names):
-            for j, block in getattr(self, name).named_children():
-                yield s, int(j), block
+        for s in range(len(self.stage_names)):
+            for j, block in self.stage_blocks(s):
+                yield s, j, block
 
     def step_keys(self) -> dict[str, tuple[int, int]]:
         """State-dict key of every step parameter -> (stage, block)."""

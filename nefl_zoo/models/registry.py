@@ -76,6 +76,13 @@ def check_model_args(name: str, kwargs: dict[str, Any]) -> None:
         check_args(info.args, kwargs)
 
 
+def default_channel_multiple(name: str) -> int:
+    """The width rounding of ``name`` when none is given: its declared ``channel_multiple``
+    default (8 for the mobile families, 1, the NeFL paper's ceil rule, for the others)."""
+    args = model_info(name).args
+    return args.model_fields["channel_multiple"].default if args is not None else 1
+
+
 def create_model(name: str, pretrained: str | None = None, **kwargs) -> nn.Module:
     """Build a registered model.
 

@@ -80,18 +80,22 @@ class CompiledSpec:
         self.full_shapes = {k: v.shape for k, v in full_state.items()}
         self.full_dtypes = {k: v.dtype for k, v in full_state.items()}
         self.tiers: dict[str, CompiledTier] = {}
+        #: per tier, where each per-tier tensor's initial value sits in the full model's tensor
+        self.sources: dict[str, dict[str, SliceEntry]] = {}
         for tier in spec.tiers:
             with torch.device("meta"):
                 slim = create_model(spec.model, **spec.model_args, **spec.tier_args(tier))
-            entries = {}
+            entries, sources = {}, {}
             for key, value in slim.state_dict().items():
                 kind = self.kinds[key]
+                index = full.slice_index(key, value.shape, self.full_shapes[key])
                 if self.is_consistent(kind):
-                    index = full.slice_index(key, value.shape, self.full_shapes[key])
                     entries[key] = SliceEntry(key, index, tuple(value.shape), kind, True)
                 else:
                     entries[key] = SliceEntry(tier_key(key, tier.name), (), tuple(value.shape), kind, False)
+                    sources[key] = SliceEntry(key, index, tuple(value.shape), kind, True)
             self.tiers[tier.name] = CompiledTier(spec, tier, SliceMap(entries))
+            self.sources[tier.name] = sources
 
     def is_consistent(self, kind: str) -> bool:
         """Whether tensors of ``kind`` are shared by all tiers."""
@@ -118,8 +122,9 @@ class CompiledSpec:
     def init_global_state(self, model: nn.Module | None = None) -> GlobalState:
         """Global state from a full-size model (a fresh one if ``None``).
 
-        Shared tensors are the model's; each tier's norms are the model's sliced to the tier's
-        width (so pretrained statistics are kept) and its step sizes are the spec's values.
+        Shared tensors are the model's; each tier's norms are the model's cut to the tier's
+        channels (its slice region; so pretrained statistics are kept) and its step sizes are
+        the spec's values.
         """
         full = (model or self.create_global_model()).state_dict()
         state = {k: v.detach().clone() for k, v in full.items() if self.is_consistent(self.kinds[k])}
@@ -132,8 +137,7 @@ class CompiledSpec:
                     value = ct.tier.steps[stage][block] if ct.tier.steps else 1.0
                     state[e.global_key] = torch.tensor(float(value), dtype=self.full_dtypes[key])
                 else:
-                    index = tuple(slice(0, n) for n in e.shape)
-                    state[e.global_key] = full[key][index].clone()
+                    state[e.global_key] = self.sources[ct.name][key].gather(full[key]).clone()
         return state
 
 

@@ -7,7 +7,8 @@ declares: ``partition-id``, ``num-partitions`` and, optionally, its resource lev
 Then each ``train`` message runs the method's :meth:`~nefl_zoo.fl.strategy.Strategy.train` on
 partition ``partition-id`` of the run's data, and each ``evaluate`` message its
 :meth:`~nefl_zoo.fl.strategy.Strategy.evaluate_client` on the partition's own test split.
-Per-client state (FedGH's extractor) stays on the node, in ``context.state``.
+Per-client state (FedGH's extractor, FedLPS's masks) comes with each message and a ``train``
+reply returns it updated: the server keeps and checkpoints it, the node keeps none.
 
 Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this node) and
 ``threads`` (torch CPU threads; results are bit-identical to the embedded engine's only with the
@@ -27,8 +28,8 @@ from flwr.common.constant import ErrorCode
 from ..config import parse_config
 from ..data import FederatedData, load_data
 from ..strategy import Strategy
-from .records import read_instruction, reply_content, to_array_record, to_state
-from .strategy import NODE, NODE_KEYS, SETUP
+from .nodes import NODE, NODE_KEYS, SETUP
+from .records import read_instruction, reply_content
 
 RUNS = "nefl.runs"  # context.state: run id -> its configuration (JSON)
 
@@ -42,7 +43,7 @@ def _method(config_json: str, data_root: str) -> tuple[Strategy, FederatedData]:
         data["data"]["root"] = data_root
     config = parse_config(data, "the run configuration from the server")
     strategy = config.build_strategy()
-    return strategy, load_data(config.data, config.data_root(), strategy.input_size, config.clients.num_clients, config.seed)
+    return strategy, load_data(config.data, config.data_root(), strategy.info.input_size, config.clients.num_clients, config.seed)
 
 
 @app.query()
@@ -71,20 +72,16 @@ def evaluate(message: Message, context: Context) -> Message:
 def _serve(kind: str, message: Message, context: Context) -> Message:
     if "threads" in context.node_config:
         torch.set_num_threads(int(context.node_config["threads"]))
-    instruction, run = read_instruction(message.content)
+    instruction, run, client_state = read_instruction(message.content)
     runs = context.state.config_records.get(RUNS) or {}
     if run not in runs:
         raise RuntimeError(f"this node was not set up for run {run} (no setup message reached it)")
     strategy, data = _method(str(runs[run]), str(context.node_config.get("data-root", "")))
     partition = int(context.node_config["partition-id"])
-    key = f"nefl.client.{run}"
-    client_state = to_state(context.state.array_records[key]) if key in context.state.array_records else {}
     if kind == "train":
         reply = strategy.train(instruction, data.client_dataset(partition), client_state)
-        if client_state:
-            context.state[key] = to_array_record(client_state)
     else:
         reply = strategy.evaluate_client(instruction, data.client_test(partition), client_state)
     if reply.error is not None:
         return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reply.error), reply_to=message)
-    return Message(reply_content(reply), reply_to=message)
+    return Message(reply_content(reply, client_state if kind == "train" else None), reply_to=message)

@@ -1,12 +1,13 @@
 """Instructions and replies as Flower records, and back.
 
-An :class:`~nefl_zoo.fl.strategy.Instruction` is already Flower-shaped plain data: its tensors
-travel as one ``ArrayRecord`` (only the client's submodel, keyed as the method keys them) and
-its flat config as one ``ConfigRecord``. A :class:`~nefl_zoo.fl.strategy.Reply` travels as an
-``ArrayRecord``, a ``MetricRecord`` with its numbers (``num_samples``, ``loss``, ...) and a
-``ConfigRecord`` with the rest (``tier``, ``tiers``), because a ``MetricRecord`` holds numbers
-only. Every message of a run also names the run (``RUN`` record), so one node can serve several
-runs without mixing their state.
+:class:`~nefl_zoo.fl.strategy.Instruction` and :class:`~nefl_zoo.fl.strategy.Reply` are plain
+dataclasses, and they travel field by field (whatever fields they have): a dict of tensors as an
+``ArrayRecord`` (only the client's submodel, keyed as the method keys them), any other dict as a
+``ConfigRecord``, and the scalar fields together as one ``ConfigRecord`` (``None`` left out:
+the field's default on arrival). Beside them a message names its run (``RUN``), so one node can
+serve several runs, and may carry the client's persistent state (``CLIENT``): the server sends
+it with an instruction and a ``train`` reply returns it updated, so the server's checkpoints hold
+it as the embedded engine's do.
 
 Decoding a reply never raises: an error message, or content that does not decode, becomes a
 ``Reply`` with ``error`` set, which every method rejects (and logs) while the round goes on.
@@ -14,15 +15,18 @@ Decoding a reply never raises: an error message, or content that does not decode
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+import typing
+from typing import Any, Mapping, TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
 from ..strategy import Instruction, Reply, State
 
-ARRAYS, CONFIG, METRICS, LABELS, RUN = "arrays", "config", "metrics", "labels", "nefl.run"
+SCALARS, CLIENT, RUN = "nefl.fields", "nefl.client", "nefl.run"  # record names beside the fields'
+T = TypeVar("T", Instruction, Reply)
 
 
 def to_array_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -41,47 +45,77 @@ def tensor_bytes(record: ArrayRecord) -> int:
     return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in record.values())
 
 
-def instruction_content(instruction: Instruction, run: str) -> RecordDict:
-    """The content of the message that carries ``instruction`` for run ``run``."""
-    return RecordDict({
-        ARRAYS: to_array_record(instruction.arrays),
-        CONFIG: ConfigRecord(dict(instruction.config)),
-        RUN: ConfigRecord({"run": run}),
-    })
+def _plain(value: Any) -> Any:
+    """A value as a ``ConfigRecord`` holds it (tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
-def read_instruction(content: RecordDict) -> tuple[Instruction, str]:
-    """An instruction message's content: the instruction and the run it belongs to."""
-    arrays = content.array_records.get(ARRAYS)
-    instruction = Instruction(to_state(arrays) if arrays is not None else {}, dict(content.config_records[CONFIG]))
-    return instruction, str(content.config_records[RUN]["run"])
+def _records(obj: Instruction | Reply) -> dict:
+    """``obj``'s fields as records (see the module docstring)."""
+    records: dict = {}
+    scalars: dict = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, dict):
+            tensors = bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+            records[f.name] = to_array_record(value) if tensors else ConfigRecord({k: _plain(v) for k, v in value.items()})
+        elif value is not None:
+            scalars[f.name] = _plain(value)
+    records[SCALARS] = ConfigRecord(scalars)
+    return records
 
 
-def _numeric(value) -> bool:
-    """What a ``MetricRecord`` holds: an int or float (not a bool), or a non-empty list of them."""
-    values = value if isinstance(value, list) and value else [value]
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+def _read(cls: type[T], content: RecordDict) -> T:
+    """The ``cls`` instance that :func:`_records` wrote into ``content``."""
+    hints = typing.get_type_hints(cls)
+    values: dict = {}
+    for f in dataclasses.fields(cls):
+        if f.name in content.array_records:
+            values[f.name] = to_state(content.array_records[f.name])
+        elif f.name in content.config_records:
+            values[f.name] = dict(content.config_records[f.name])
+        elif f.name in content.config_records[SCALARS]:
+            value = content.config_records[SCALARS][f.name]
+            values[f.name] = tuple(value) if typing.get_origin(hints[f.name]) is tuple else value
+    return cls(**values)
 
 
-def reply_content(reply: Reply) -> RecordDict:
-    """The content of a reply message: tensors, numeric metrics, other metrics."""
-    numbers = {k: v for k, v in reply.metrics.items() if _numeric(v)}
-    labels = {k: v for k, v in reply.metrics.items() if k not in numbers}
-    return RecordDict({ARRAYS: to_array_record(reply.arrays), METRICS: MetricRecord(numbers), LABELS: ConfigRecord(labels)})
+def instruction_content(instruction: Instruction, run: str, client_state: Mapping[str, torch.Tensor]) -> RecordDict:
+    """The content of the message that carries ``instruction`` (and the client's state, if it
+    has any) for run ``run``."""
+    records = {**_records(instruction), RUN: ConfigRecord({"run": run})}
+    if client_state:
+        records[CLIENT] = to_array_record(client_state)
+    return RecordDict(records)
 
 
-def read_reply(message: Message) -> Reply:
-    """A reply message as a :class:`Reply`; an error message or undecodable content gives a
-    reply with ``error`` set (never an exception)."""
+def read_instruction(content: RecordDict) -> tuple[Instruction, str, State]:
+    """An instruction message's content: the instruction, its run and the client's state."""
+    client = content.array_records.get(CLIENT)
+    return _read(Instruction, content), str(content.config_records[RUN]["run"]), to_state(client) if client is not None else {}
+
+
+def reply_content(reply: Reply, client_state: Mapping[str, torch.Tensor] | None = None) -> RecordDict:
+    """The content of a reply message: the reply's fields and, for a ``train`` reply, the
+    client's updated state (possibly empty)."""
+    records = _records(reply)
+    if client_state is not None:
+        records[CLIENT] = to_array_record(client_state)
+    return RecordDict(records)
+
+
+def error_reply(reason: str) -> Reply:
+    """The reply of a client that failed or did not answer (every method rejects it)."""
+    return Reply(arrays={}, metrics={}, error=reason)
+
+
+def read_reply(message: Message) -> tuple[Reply, State | None]:
+    """A reply message as a :class:`Reply` and the client state it returns (``None``: none); an
+    error message or undecodable content gives a reply with ``error`` set (never an exception)."""
     if message.has_error():
-        return Reply({}, {}, error=f"error reply (code {message.error.code}): {message.error.reason}")
+        return error_reply(f"error reply (code {message.error.code}): {message.error.reason}"), None
     try:
-        content = message.content
-        arrays = content.array_records.get(ARRAYS)
-        metrics: dict = {}
-        for kind, records in ((METRICS, content.metric_records), (LABELS, content.config_records)):
-            if kind in records:
-                metrics.update(records[kind])
-        return Reply(to_state(arrays) if arrays is not None else {}, metrics)
+        client = message.content.array_records.get(CLIENT)
+        return _read(Reply, message.content), to_state(client) if client is not None else None
     except Exception as exc:  # noqa: BLE001  (a malformed reply must not end the round)
-        return Reply({}, {}, error=f"reply does not decode: {type(exc).__name__}: {exc}")
+        return error_reply(f"reply does not decode: {type(exc).__name__}: {exc}"), None

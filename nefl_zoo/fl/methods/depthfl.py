@@ -13,18 +13,17 @@ position; consistent, so averaged over the clients holding it), and its own Batc
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from ...slim import SliceEntry, SliceMap, compile_spec
+from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
 from ...spec import SubmodelSpec, TierSpec, stage_depths
 from ..local import LocalModel, load_entries
-from ..strategy import MethodSettings, register_method
-from .nefl import Assignment, NeFL
+from ..registry import register_method
+from ..strategy import MethodSettings, Run
+from ..strategy_utils import Nested, level_sizes
 
 EXIT_PREFIX = "exits"
 ENSEMBLE = "ensemble"
@@ -40,13 +39,23 @@ def prefix_steps(depths: list[int], blocks: int) -> list[list[float]]:
 
 
 def prefix_ratios(spec: SubmodelSpec) -> dict[int, float]:
-    """Parameter ratio of every depth prefix (1 .. all blocks) of ``spec``'s full model: a skipped
-    block loses its branch (step included); a skipped first block keeps its projection."""
+    """Parameter ratio of every depth prefix (1 .. all blocks) of ``spec``'s full model that skips
+    only blocks the model can skip (``fixed_blocks``): a skipped block loses its branch (step
+    included); a skipped first block keeps its projection. One-line ``ValueError`` when only the
+    full model is left."""
     with torch.device("meta"):
         full = compile_spec(spec).create_global_model()
     total = sum(p.numel() for p in full.parameters())
-    branches = [sum(p.numel() for _, p in block.branch_parameters()) for _, _, block in full.residual_blocks()]
-    return {b: (total - sum(branches[b:])) / total for b in range(1, len(branches) + 1)}
+    blocks = list(full.residual_blocks())
+    branches = [sum(p.numel() for _, p in block.branch_parameters()) for _, _, block in blocks]
+    fixed = [b for b, (s, j, _) in enumerate(blocks) if (s, j) in full.fixed_blocks()]
+    if fixed and fixed[-1] == len(blocks) - 1:
+        s, j, _ = blocks[-1]
+        raise ValueError(f"depthfl needs a model whose trailing blocks can be skipped: {spec.model}'s last block "
+                         f"(stage {s + 1} block {j}) cannot be, so its only depth prefix is the full model; "
+                         "use nefl, heterofl or fjord (width nesting)")
+    first = fixed[-1] + 1 if fixed else 1
+    return {b: (total - sum(branches[b:])) / total for b in range(first, len(branches) + 1)}
 
 
 def mutual_distillation(logits: list[torch.Tensor]) -> torch.Tensor:
@@ -92,7 +101,7 @@ class _ExitsNet(LocalModel):
             while t < len(self.trunk) and self.trunk[t][0] < bound:
                 x = self.trunk[t][1](x)
                 t += 1
-            out.append(head(self.net.forward_head(self._downsample(x, bound), pre_logits=True)))
+            out.append(head(self.net.forward_head(self.net.forward_norm(self._downsample(x, bound)), pre_logits=True)))
         return out
 
     def forward(self, x):
@@ -128,43 +137,33 @@ class DepthFLSettings(MethodSettings):
     kd: bool = Field(True, description="mutual self-distillation among a client's exits")
 
 
-@register_method("depthfl", label="DepthFL", settings=DepthFLSettings)
-class DepthFL(NeFL):
-    """DepthFL (Kim et al.) as the NeFL paper's baseline: submodel ``t`` of the run's spec is the
-    contiguous depth prefix whose parameter ratio is nearest ``t``'s ``gamma`` (its measured ratio
-    without one; ties: the shallower), with
-    its own exit classifier and BN. A client picks its submodel like NeFL's and trains the exits
-    of every submodel up to it, with cross-entropy at every exit plus mutual distillation.
-    Evaluated: every submodel at its own exit, and ``ensemble`` (the full submodel's exits'
-    mean softmax)."""
+class Prefixes:
+    """DepthFL's submodels: per tier of the run's spec, the contiguous depth prefix whose
+    parameter ratio is nearest the tier's ``gamma`` (its measured ratio without one; ties: the
+    shallower), as a compiled spec with BN per tier, and the exits every prefix holds."""
 
-    def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
-        super().__init__(spec, train, settings, **run)
-        self._check_feature_maps()
-        self.exit_index = {t: i for i, t in enumerate(self.tier_names)}
-        self.held = {t: self._held(t) for t in self.tier_names}
-
-    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
+    def __init__(self, spec: SubmodelSpec, kd: bool):
+        self.kd = kd
         self.depths = list(stage_depths(spec.model, tuple(sorted(spec.model_args.items()))))
+        sizes = level_sizes(compile_spec(spec))
         ratios = prefix_ratios(spec)
-        full = max(self.level_size.values())
+        full = max(sizes.values())
         #: per submodel, the residual blocks it keeps (its exit's position)
         self.bounds = {
-            t.name: min(ratios, key=lambda b: (abs(ratios[b] - (t.gamma if t.gamma is not None else self.level_size[t.name] / full)), b))
+            t.name: min(ratios, key=lambda b: (abs(ratios[b] - (t.gamma if t.gamma is not None else sizes[t.name] / full)), b))
             for t in spec.tiers
         }
-        tiers = [
-            TierSpec(name=t.name, gamma=t.gamma, steps=prefix_steps(self.depths, self.bounds[t.name]), learnable_steps=False)
-            for t in spec.tiers
-        ]
-        return SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["norm"])
-
-    def _check_feature_maps(self) -> None:
+        tiers = [TierSpec(name=t.name, gamma=t.gamma, steps=prefix_steps(self.depths, self.bounds[t.name]), learnable_steps=False)
+                 for t in spec.tiers]
+        self.compiled: CompiledSpec = compile_spec(SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["norm"]))
         with torch.device("meta"):
             net = self.compiled.create_global_model()
             features = net.forward_intermediates(torch.empty(2, *self.compiled.input_size), intermediates_only=True)
         if any(f.ndim != 4 for f in features):
-            raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {self.run_spec.model}")
+            raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {spec.model}")
+        self.names = list(self.compiled.tiers)
+        self.exit_index = {t: i for i, t in enumerate(self.names)}
+        self.held = {t: self._held(t) for t in self.names}
 
     def _exits(self, tiers: list[str]) -> nn.ModuleDict:
         """Fresh exit classifiers of ``tiers``, keyed by their global index."""
@@ -173,8 +172,8 @@ class DepthFL(NeFL):
     def exits_of(self, tier: str) -> list[str]:
         """The submodels whose exits a client of ``tier`` trains (every one whose prefix ``tier``
         contains), shallowest first."""
-        rank = {t: (self.bounds[t], i) for i, t in enumerate(self.tier_names)}
-        return sorted((t for t in self.tier_names if rank[t] <= rank[tier]), key=rank.__getitem__)
+        rank = {t: (self.bounds[t], i) for i, t in enumerate(self.names)}
+        return sorted((t for t in self.names if rank[t] <= rank[tier]), key=rank.__getitem__)
 
     def _held(self, tier: str) -> dict[str, SliceEntry]:
         classifier = f"{self.compiled.classifier}."
@@ -186,14 +185,13 @@ class DepthFL(NeFL):
         return out
 
     def init_global_state(self) -> dict[str, torch.Tensor]:
+        """The compiled spec's state and every exit (global RNG)."""
         state = self.compiled.init_global_state()
-        state.update({f"{EXIT_PREFIX}.{k}": v for k, v in self._exits(self.tier_names).state_dict().items()})
+        state.update({f"{EXIT_PREFIX}.{k}": v for k, v in self._exits(self.names).state_dict().items()})
         return state
 
-    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
-        return self.held[assignment.tier]
-
-    def _model(self, tier: str, arrays: Mapping[str, torch.Tensor]) -> _ExitsNet:
+    def model(self, tier: str, arrays) -> _ExitsNet:
+        """``tier``'s slim network with its exits, carrying ``arrays`` (its held tensors)."""
         net = self.compiled[tier].build()
         prefix = f"{EXIT_PREFIX}."
         unused = [k for k in self.compiled[tier].slice_map if k not in self.held[tier]]
@@ -202,21 +200,27 @@ class DepthFL(NeFL):
         exits = self._exits(names)
         exits.load_state_dict({k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)})
         bounds = [self.bounds[t] for t in names]
-        return _ExitsNet(net, exits, bounds, self.depths, set(self.held[tier]), self.settings.kd)
+        return _ExitsNet(net, exits, bounds, self.depths, set(self.held[tier]), self.kd)
 
-    def local_model(self, assignment, arrays):
-        return self._model(assignment.tier, arrays)
-
-    @property
-    def eval_names(self) -> list[str]:
-        return [*self.tier_names, ENSEMBLE]
-
-    def eval_model(self, global_state, tier, data):
+    def eval_model(self, global_state, name: str, data) -> nn.Module:
         """A submodel at its own exit; ``ensemble``: the deepest submodel's exits' mean softmax."""
-        name = max(self.tier_names, key=lambda t: (self.bounds[t], self.exit_index[t])) if tier == ENSEMBLE else tier
-        model = self._model(name, SliceMap(dict(self.held[name])).extract(global_state))
-        return _Ensemble(model) if tier == ENSEMBLE else model
+        tier = max(self.names, key=lambda t: (self.bounds[t], self.exit_index[t])) if name == ENSEMBLE else name
+        model = self.model(tier, SliceMap(dict(self.held[tier])).extract(global_state))
+        return _Ensemble(model) if name == ENSEMBLE else model
 
-    def submodel_numel(self, tier: str) -> int:
-        return sum(e.numel for e in self.held[tier].values())
 
+@register_method("depthfl", label="DepthFL", settings=DepthFLSettings)
+class DepthFL(Nested):
+    """DepthFL (Kim et al.) as the NeFL paper's baseline: submodel ``t`` of the run's spec is the
+    contiguous depth prefix whose parameter ratio is nearest ``t``'s ``gamma`` (its measured ratio
+    without one; ties: the shallower), with its own exit classifier and BN. A client picks its
+    submodel like NeFL's and trains the exits of every submodel up to it, with cross-entropy at
+    every exit plus mutual distillation. Evaluated: every submodel at its own exit, and
+    ``ensemble`` (the full submodel's exits' mean softmax)."""
+
+    def __init__(self, run: Run, settings: DepthFLSettings | None = None):
+        settings = settings if settings is not None else DepthFLSettings()
+        #: the prefixes, their exits and what each holds
+        self.prefixes = prefixes = Prefixes(run.spec, settings.kd)
+        super().__init__(run, settings, compiled=prefixes.compiled, entries=prefixes.held.__getitem__, client_model=prefixes.model,
+                         eval_model=prefixes.eval_model, init=prefixes.init_global_state, extra_eval=[ENSEMBLE])

@@ -24,13 +24,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ...slim import CompiledSpec, compile_spec
-from ...spec import SubmodelSpec
-from ..client import evaluate, fit, learning_rate
+from ..client import evaluate, learning_rate
 from ..local import LocalModel
-from ..strategy import (
-    Aggregate, ClientInfo, CompiledStrategy, Instruction, MethodSettings, Reply, State, register_method,
-)
-from .nefl import mean_accuracy_per_tier
+from ..registry import register_method
+from ..strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ..strategy_utils import fit_reply, largest, level_sizes, mean_accuracy_per_level, sample_clients, train_config
 
 HEADER = ("header.weight", "header.bias")
 
@@ -77,26 +75,27 @@ class _PersonalModel(LocalModel):
 
 
 @register_method("fedgh", label="FedGH", settings=FedGHSettings)
-class FedGH(CompiledStrategy):
+class FedGH(Strategy):
     """FedGH: personalised heterogeneous extractors, one global header trained on the server."""
 
-    def __init__(self, spec: SubmodelSpec, train, settings=None, **run):
-        super().__init__(spec, train, settings, **run)
-        self.compiled: CompiledSpec = compile_spec(spec)
-        self.level_size = {name: ct.slice_map.numel() for name, ct in self.compiled.tiers.items()}
-
-    def submodel_numel(self, tier: str) -> int:
-        return (self.settings.rep_dim + 1) * self.num_classes
+    def __init__(self, run: Run, settings: FedGHSettings | None = None):
+        super().__init__(run, settings)
+        self.compiled: CompiledSpec = compile_spec(run.spec)
+        self.level_size = level_sizes(self.compiled)
+        self.num_classes = self.compiled.num_classes
+        tiers = tuple(self.compiled.tiers)
+        header = (self.settings.rep_dim + 1) * self.num_classes
+        self.info = MethodInfo(run.spec, self.compiled.input_size, self.num_classes, tiers, tiers, dict.fromkeys(tiers, header))
 
     # -- models ---------------------------------------------------------------------------
     def extractor_tier(self, client: ClientInfo) -> str:
         """A client's extractor: its largest allowed tier (fixed over rounds)."""
-        return max(client.levels, key=self.level_size.__getitem__)
+        return largest(client.levels, self.level_size)
 
     def extractor(self, tier: str, cid: int, client_state: Mapping[str, torch.Tensor]) -> Extractor:
         """The client's extractor from its state; a client's first one is seeded by run and client."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(np.random.SeedSequence([self.seed, cid]).generate_state(1)[0]))
+            torch.manual_seed(int(np.random.SeedSequence([self.run.seed, cid]).generate_state(1)[0]))
             extractor = Extractor(self.compiled[tier].build(), self.settings.rep_dim)
         if client_state:
             extractor.load_state_dict(client_state)
@@ -113,12 +112,11 @@ class FedGH(CompiledStrategy):
         return {f"header.{k}": v.detach().clone() for k, v in header.state_dict().items()}
 
     def _instruction(self, server_round: int, global_state, client: ClientInfo) -> Instruction:
-        tier = self.extractor_tier(client)
-        config = {**self.train_config_for(server_round, client.cid), "tier": tier, "tiers": [tier]}
-        return Instruction({k: global_state[k].clone() for k in HEADER}, config)
+        config = train_config(self.run, server_round, client.cid)
+        return Instruction({k: global_state[k].clone() for k in HEADER}, config, self.extractor_tier(client))
 
     def configure_train(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
-        return {c.cid: self._instruction(server_round, global_state, c) for c in self.sample(server_round, clients)}
+        return {c.cid: self._instruction(server_round, global_state, c) for c in sample_clients(self.run, server_round, clients)}
 
     def _check(self, reply: Reply) -> str | None:
         if reply.error is not None:
@@ -136,7 +134,7 @@ class FedGH(CompiledStrategy):
 
     def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
         header = self.header(global_state)
-        lr = self.settings.server_lr or learning_rate(self.train_config, server_round - 1, self.rounds)
+        lr = self.settings.server_lr or learning_rate(self.run.train, server_round - 1, self.run.rounds)
         optimizer = torch.optim.SGD(header.parameters(), lr=lr)
         accepted, rejected = 0, []
         for cid, reply in replies.items():
@@ -162,24 +160,22 @@ class FedGH(CompiledStrategy):
         return {c.cid: self._instruction(server_round, global_state, c) for c in clients}
 
     def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
-        return mean_accuracy_per_tier(replies, self.tier_names)
+        return mean_accuracy_per_level(replies, self.info.levels)
 
     # -- client hooks ---------------------------------------------------------------------
     def train(self, instruction: Instruction, data, client_state: State) -> Reply:
-        tier, cid = str(instruction.config["tier"]), int(instruction.config["client"])
-        model = _PersonalModel(self.extractor(tier, cid, client_state), self.header(instruction.arrays))
-        result = fit(model, data, instruction.config)
+        model = _PersonalModel(self.extractor(instruction.level, int(instruction.config["client"]), client_state), self.header(instruction.arrays))
+        reply = fit_reply(model, data, instruction)
         client_state.clear()
-        client_state.update(result.state)  # the extractor stays on the client
+        client_state.update(reply.arrays)  # the extractor stays on the client
         lar, classes = local_averaged_representations(model.extractor, data, int(instruction.config["seed"]), int(instruction.config["batch_size"]))
-        metrics = {"num_samples": result.num_samples, **result.metrics, "tier": tier, "tiers": [tier]}
-        return Reply({"lar": lar, "lar_classes": classes}, metrics)
+        reply.arrays = {"lar": lar, "lar_classes": classes}
+        return reply
 
     def evaluate_client(self, instruction: Instruction, data, client_state: State) -> Reply:
-        tier, cid = str(instruction.config["tier"]), int(instruction.config["client"])
-        model = _PersonalModel(self.extractor(tier, cid, client_state), self.header(instruction.arrays))
-        accuracy = evaluate(model, data, self.eval_batch_size)
-        return Reply({}, {"accuracy": accuracy, "num_samples": len(data), "tier": tier})
+        model = _PersonalModel(self.extractor(instruction.level, int(instruction.config["client"]), client_state), self.header(instruction.arrays))
+        accuracy = evaluate(model, data, self.run.eval.batch_size)
+        return Reply({}, {"accuracy": accuracy}, num_samples=len(data), level=instruction.level)
 
 
 @torch.no_grad()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..local import LocalModel
-from ..strategy import MethodSettings, register_method
-from .nefl import NeFL
+from ..local import LocalModel, SubmodelLocal
+from ..registry import register_method
+from ..strategy import MethodSettings, Run
+from ..strategy_utils import Nested
 
 
 class FedProxSettings(MethodSettings):
@@ -38,8 +39,11 @@ class ProximalLocal(LocalModel):
 
 
 @register_method("fedprox", label="FedProx", settings=FedProxSettings)
-class FedProx(NeFL):
+class FedProx(Nested):
     """NeFL whose clients minimise their loss plus the proximal term (``method_args.mu``)."""
 
-    def local_model(self, assignment, arrays) -> LocalModel:
-        return ProximalLocal(super().local_model(assignment, arrays), self.settings.mu)
+    def __init__(self, run: Run, settings: FedProxSettings | None = None):
+        def client_model(tier: str, arrays) -> ProximalLocal:
+            return ProximalLocal(SubmodelLocal(self.submodel(tier, arrays)), self.settings.mu)
+
+        super().__init__(run, settings, client_model=client_model)

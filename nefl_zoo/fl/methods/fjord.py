@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from typing import Mapping
 
 import torch
@@ -11,12 +10,11 @@ from torch import nn
 
 from pydantic import Field
 
-from ...slim import SliceEntry, tier_key
-from ...spec import SubmodelSpec
+from ...slim import CompiledSpec, SliceEntry, compile_spec, tier_key
 from ..local import LocalModel, load_entries
-from ..strategy import MethodSettings, register_method
-from .heterofl import width_spec
-from .nefl import Assignment, NeFL
+from ..registry import register_method
+from ..strategy import MethodSettings, Run
+from ..strategy_utils import Nested, largest, width_spec
 
 
 def _positions(index) -> torch.Tensor:
@@ -64,12 +62,12 @@ class _OrderedDropoutLocal(LocalModel):
     soft labels (:func:`distillation_loss`), in one SGD step.
     """
 
-    def __init__(self, method: "FjORD", assignment: Assignment, state: Mapping[str, torch.Tensor]):
+    def __init__(self, compiled: CompiledSpec, widths: list[str], state: Mapping[str, torch.Tensor], settings: "FjORDSettings"):
         super().__init__()
-        compiled, top = method.compiled, assignment.tier
+        top = widths[-1]
         self.net = compiled[top].build()
         load_entries(self.net, {k: v for k, v in state.items() if k in compiled[top].slice_map})
-        narrower = [t for t in assignment.tiers if t != top]
+        narrower = widths[:-1]
         self.widths = [*narrower, top]
         self.narrow = nn.ModuleList()
         self.views: list[dict[str, SliceEntry]] = []
@@ -84,7 +82,7 @@ class _OrderedDropoutLocal(LocalModel):
                     p.requires_grad_(False)  # replaced by views of the widest module's tensors
             self.narrow.append(sub)
             self.views.append(views)
-        self.settings = method.settings
+        self.settings = settings
 
     def sample_width(self) -> int:
         """The index in :attr:`widths` of this batch's width, uniform (torch's RNG)."""
@@ -129,29 +127,27 @@ class FjORDSettings(MethodSettings):
 
 
 @register_method("fjord", label="FjORD", settings=FjORDSettings)
-class FjORD(NeFL):
+class FjORD(Nested):
     """FjORD (Horvath et al.): a client's maximum width p_max is the largest its environment
     allows; every local batch trains a width p <= p_max drawn uniformly from the run's widths
     (every tier no larger than p_max, allowed or not), with separate BN per width; with
     ``method_args.kd`` (the default) the widest width self-distils into the sampled one
     (FjORD's alpha = T = 1)."""
 
-    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
-        return width_spec(spec, ["steps", "norm"])
+    def __init__(self, run: Run, settings: FjORDSettings | None = None):
+        compiled = compile_spec(width_spec(run.spec, ["steps", "norm"]))
 
-    def assign(self, levels: list[str], rng: random.Random) -> Assignment | None:
-        top = self.largest(levels)
-        widths = tuple(t for t in self.tier_names if self.level_size[t] <= self.level_size[top])
-        return Assignment(top, widths)
+        def widths(top: str) -> list[str]:
+            """The widths a client of ``top`` trains: every resource level no larger, ``top`` last."""
+            sizes = self.level_size
+            return [*(t for t in compiled.tiers if sizes[t] <= sizes[top] and t != top), top]
 
-    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
-        out: dict[str, SliceEntry] = dict(self.compiled[assignment.tier].slice_map)
-        for tier in assignment.tiers:
-            if tier != assignment.tier:
-                for k, e in self.compiled[tier].slice_map.items():
-                    if not e.consistent:
-                        out[tier_key(k, tier)] = e
-        return out
+        def entries(top: str) -> Mapping[str, SliceEntry]:
+            """The widest tier's tensors and every narrower width's own norms."""
+            out: dict[str, SliceEntry] = dict(compiled[top].slice_map)
+            for tier in widths(top)[:-1]:
+                out.update({tier_key(k, tier): e for k, e in compiled[tier].slice_map.items() if not e.consistent})
+            return out
 
-    def local_model(self, assignment, arrays):
-        return _OrderedDropoutLocal(self, assignment, arrays)
+        super().__init__(run, settings, compiled=compiled, assign=lambda levels, rng: largest(levels, self.level_size), entries=entries,
+                         client_model=lambda top, arrays: _OrderedDropoutLocal(compiled, widths(top), arrays, self.settings))

@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
 
 from torch import nn
 
-from ...slim import SliceEntry
-from ...spec import SubmodelSpec, TierSpec
-from ..local import SubmodelLocal, load_entries
-from ..strategy import register_method
-from .nefl import Assignment, NeFL
+from ...slim import compile_spec
+from ..local import SubmodelLocal
+from ..registry import register_method
+from ..strategy import MethodSettings, Run
+from ..strategy_utils import Nested, width_spec
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:
-    """Width-only tiers with the parameter ratios of ``spec``'s tiers and fixed step sizes: a
-    width-only tier keeps its ``gamma_w`` (the same widths as NeFL-W), a tier that skips blocks
-    takes its nominal ``gamma`` as width ratio."""
-    def skips(t: TierSpec) -> bool:
-        return t.steps is not None and any(v == 0 for stage in t.steps for v in stage)
-
-    tiers = [
-        TierSpec(name=t.name, gamma_w=t.gamma if skips(t) and t.gamma is not None else t.gamma_w, learnable_steps=False,
-                 gamma=t.gamma, channel_multiple=t.channel_multiple)
-        for t in spec.tiers
-    ]
-    return SubmodelSpec(model=spec.model, model_args=spec.model_args, channel_multiple=spec.channel_multiple, tiers=tiers,
-                        inconsistent=inconsistent)
 
 
 class _ScaledLocal(SubmodelLocal):
@@ -49,7 +32,7 @@ class _ScaledLocal(SubmodelLocal):
 
 
 @register_method("heterofl", label="HeteroFL")
-class HeteroFL(NeFL):
+class HeteroFL(Nested):
     """HeteroFL (Diao et al.): shared BN affine, static BN, scaler, count-averaged slices.
 
     A client trains the width its environment gives it (``environment: fixed``: one width per
@@ -59,20 +42,13 @@ class HeteroFL(NeFL):
     training batches, without the scaler, as at test time), whatever ``eval.bn`` says.
     """
 
-    def method_spec(self, spec: SubmodelSpec) -> SubmodelSpec:
-        return width_spec(spec, ["steps"])
+    def __init__(self, run: Run, settings: MethodSettings | None = None):
+        compiled = compile_spec(width_spec(run.spec, ["steps"]))
 
-    def entries(self, assignment: Assignment) -> Mapping[str, SliceEntry]:
-        slice_map = self.compiled[assignment.tier].slice_map
-        return {k: e for k, e in slice_map.items() if not k.endswith(_STATS)}
+        def entries(tier: str):
+            return {k: e for k, e in compiled[tier].slice_map.items() if not k.endswith(_STATS)}
 
-    def _rate(self, tier: str) -> float:
-        return math.sqrt(self.compiled[tier].tier.gamma_w)
+        def client_model(tier: str, arrays) -> _ScaledLocal:
+            return _ScaledLocal(self.submodel(tier, arrays), math.sqrt(compiled[tier].tier.gamma_w))
 
-    def local_model(self, assignment, arrays):
-        net = self.compiled[assignment.tier].build()
-        load_entries(net, arrays)
-        return _ScaledLocal(net, self._rate(assignment.tier))
-
-    def with_bn(self, model, treatment, data):
-        return super().with_bn(model, "recompute", data)
+        super().__init__(run, settings, compiled=compiled, entries=entries, client_model=client_model, static_bn=True)

@@ -1,19 +1,10 @@
-"""A Flower ``Strategy`` that runs any registered nefl-zoo method on Flower's Message API.
-
-:class:`NestedStrategy` maps the method's hooks 1:1 onto Flower's: ``configure_train`` turns
-the method's per-client :class:`~nefl_zoo.fl.strategy.Instruction`\\ s into one ``Message`` per
-node (only that client's submodel tensors), ``aggregate_train`` turns the reply messages back
-into :class:`~nefl_zoo.fl.strategy.Reply`\\ s and calls the method's ``aggregate_train``
-(replies with an error, NaN/Inf or wrong shapes are rejected and logged; the round completes),
-and ``configure_evaluate`` / ``aggregate_evaluate`` do the same for client-side evaluation.
+"""Which Flower node is which client: setting up nodes for a run, and collecting replies.
 
 Flower knows nodes by random ids; a method knows clients by partition and resource levels.
 :class:`NodeRegistry` learns, once per node and run, which client a node is: it sends a setup
 (``query``) message carrying the run's configuration, and the node answers with its
 ``node_config`` (``partition-id``, ``num-partitions`` and optionally ``max-tier`` or ``levels``).
-
-:class:`~nefl_zoo.fl.flower.engine.FlowerEngine` uses :meth:`NestedStrategy.exchange` as the
-embedded engine's transport; Flower's own ``Strategy.start`` loop works with the hooks too.
+:func:`collect` pushes messages through a ``Grid`` and pulls their replies.
 """
 
 from __future__ import annotations
@@ -21,14 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
-from ..strategy import ClientInfo, Instruction, Reply, Strategy
-from .records import instruction_content, read_reply, to_array_record, to_state
+from ..strategy import ClientInfo
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +71,7 @@ class NodeRegistry:
     """Which connected Flower node is which client, for one run.
 
     Args:
-        run: the run's id (names its configuration and per-client state on the nodes).
+        run: the run's id (names its configuration on the nodes).
         config_json: the resolved run configuration, sent to every node in its setup message.
         defaults: the configured clients (partition ids ``0..M-1`` and their default levels).
         tiers: the run spec's tier names (resource levels), in spec order.
@@ -99,16 +88,9 @@ class NodeRegistry:
         self.clients: dict[int, ClientInfo] = {}  # node id -> client
         self.refused: dict[int, str] = {}  # node id -> why it takes no part
 
-    def add(self, node_id: int, client: ClientInfo) -> None:
-        """Register ``node_id`` as ``client`` (what a setup reply does)."""
-        self.clients[node_id] = client
-
     def node_of(self, cid: int) -> int:
+        """The id of the node that is client ``cid``."""
         return next(n for n, c in self.clients.items() if c.cid == cid)
-
-    def cid_of(self, node_id: int) -> int | None:
-        client = self.clients.get(node_id)
-        return client.cid if client else None
 
     def refresh(self, grid: Grid, min_nodes: int = 1) -> list[ClientInfo]:
         """Set up newly connected nodes, forget departed ones, and return the clients of the
@@ -150,7 +132,7 @@ class NodeRegistry:
             if client.cid in (c.cid for c in self.clients.values()):
                 log.warning("node %s: partition-id %s is node %s's (until that one leaves)", node_id, client.cid, self.node_of(client.cid))
                 continue
-            self.add(node_id, client)
+            self.clients[node_id] = client
 
     def _client(self, reply: Message) -> ClientInfo:
         if reply.has_error():
@@ -160,71 +142,3 @@ class NodeRegistry:
         if parts != len(self.defaults) or cid not in self.defaults:
             raise ValueError(f"partition-id {cid} of num-partitions {parts}; the run has clients.num_clients = {len(self.defaults)}")
         return ClientInfo(cid, node_levels(node, self.defaults[cid].levels, self.tiers))
-
-
-class NestedStrategy(FlowerStrategy):
-    """Flower's ``Strategy`` for a nefl-zoo method.
-
-    Args:
-        method: the method (``RunConfig.build_strategy()``).
-        nodes: the run's node registry.
-        timeout: seconds to wait for a round's replies; a node without a reply by then counts as
-            a rejected reply (the round completes with the others).
-    """
-
-    def __init__(self, method: Strategy, nodes: NodeRegistry, timeout: float = 3600.0, poll: float = 0.1):
-        self.method, self.nodes, self.timeout, self.poll = method, nodes, timeout, poll
-        self.global_state: dict = {}  # the state configure_train was given (aggregate_train needs it)
-        self.sent: dict[str, dict[int, Message]] = {}  # kind -> client -> this round's message
-
-    def summary(self) -> None:
-        log.info("%s (%s) on Flower: %d nodes set up, reply timeout %g s", self.method.label, self.method.name,
-                 len(self.nodes.clients), self.timeout)
-
-    # -- Flower's hooks -------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        self.global_state = to_state(arrays)
-        instructions = self.method.configure_train(server_round, self.global_state, self.nodes.refresh(grid))
-        return list(self.messages(MessageType.TRAIN, instructions).values())
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        result = self.method.aggregate_train(server_round, self.global_state, self.replies(MessageType.TRAIN, replies))
-        self.global_state = result.state
-        return to_array_record(result.state), MetricRecord({"accepted": result.accepted, "rejected": len(result.rejected)})
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        instructions = self.method.configure_evaluate(server_round, to_state(arrays), self.nodes.refresh(grid))
-        return list(self.messages(MessageType.EVALUATE, instructions).values())
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        acc = self.method.aggregate_evaluate(server_round, self.replies(MessageType.EVALUATE, replies))
-        return MetricRecord(acc) if acc else None
-
-    # -- the transport: instructions out, replies back --------------------------------------
-    def messages(self, kind: str, instructions: Mapping[int, Instruction]) -> dict[int, Message]:
-        """One message per client's node, carrying only that client's instruction."""
-        self.sent[kind] = {
-            cid: Message(instruction_content(instruction, self.nodes.run), self.nodes.node_of(cid), kind)
-            for cid, instruction in instructions.items()
-        }
-        return self.sent[kind]
-
-    def replies(self, kind: str, messages: Iterable[Message]) -> dict[int, Reply]:
-        """The replies to this round's ``kind`` messages, by client in the order they were sent;
-        a client whose reply is missing gets a reply with ``error`` set."""
-        sent = self.sent.get(kind, {})
-        by_id = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
-        received: dict[int, Reply] = {}
-        for message in messages:
-            cid = by_id.get(message.metadata.reply_to_message_id, self.nodes.cid_of(message.metadata.src_node_id))
-            if cid not in sent:
-                log.warning("a %s reply from node %s answers no message of this round; ignored", kind, message.metadata.src_node_id)
-                continue
-            received[cid] = read_reply(message)
-        missing = Reply({}, {}, error=f"no reply within {self.timeout:g} s")
-        return {cid: received.get(cid, missing) for cid in sent}
-
-    def exchange(self, grid: Grid, kind: str, instructions: Mapping[int, Instruction]) -> dict[int, Reply]:
-        """Send each client its instruction through ``grid`` and return the replies."""
-        messages = self.messages(kind, instructions)
-        return self.replies(kind, collect(grid, list(messages.values()), self.timeout, self.poll, self.nodes.stop))

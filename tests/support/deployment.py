@@ -1,5 +1,5 @@
-"""A Flower deployment on this machine: a SuperLink and SuperNodes as real processes on free
-127.0.0.1 ports, for tests, benchmarks and trying a Flower App before it meets real devices.
+"""A Flower deployment on this machine for tests and benchmarks (not shipped in the package):
+a SuperLink and SuperNodes as real processes on free 127.0.0.1 ports.
 
 Every process is started in its own process group and ended with it (a SuperNode's
 ``flower-superexec`` children outlive the SuperNode otherwise). Connection settings go to a

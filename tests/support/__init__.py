@@ -1,0 +1,1 @@
+"""Test-only helpers that are not part of the nefl_zoo package (Flower processes, simulations)."""

@@ -1,0 +1,102 @@
+"""One Flower simulation (one Ray start) for the whole test session, shared by
+``test_method_contract_flower.py`` and ``test_flower.py``.
+
+Every registered method runs the method contract's 2-round configuration
+(``test_method_contract.contract_config``) on the embedded engine (``embedded-M``) and on
+Flower's simulation engine (``flower-M``); every method whose embedded run keeps per-client state
+(``clients.safetensors``) also runs on Flower stopped after round 1 and resumed
+(``flower-M-resumed``). A new method is picked up from the registry without an edit here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from nefl_zoo.fl.engine import Engine
+from nefl_zoo.fl.registry import registered_methods
+from nefl_zoo.fl.strategy import ClientInfo
+
+from ..test_method_contract import contract_config
+
+CLIENT_STATES = "clients.safetensors"
+
+
+class Rounds:
+    """An observer that notes what a run reported: its start, each round's number, its end."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def start(self, engine) -> None:
+        self.seen.append("start")
+
+    def round(self, record: dict, last_eval: dict) -> None:
+        self.seen.append(record["round"])
+
+    def end(self, engine, result) -> None:
+        self.seen.append("end")
+
+
+OBSERVED = Rounds()  # follows the simulation's NeFL run (observers run in the ServerApp's thread)
+_RUNS: dict[str, Path] = {}
+
+
+def simulation(tmp_path_factory) -> Path:
+    """The folder holding every run above, made once per session (one Flower simulation)."""
+    if "out" not in _RUNS:
+        from nefl_zoo.fl.flower import SimulatedRun, simulate_runs
+
+        torch.set_num_threads(1)  # the simulation's clients train with one thread each: the same arithmetic
+        out = tmp_path_factory.mktemp("flower-simulation")
+        runs = []
+        for method in registered_methods():
+            config = contract_config(method)
+            Engine(config, out / f"embedded-{method}").run()
+            runs.append(SimulatedRun(config, out / f"flower-{method}", observer=OBSERVED if method == "nefl" else None))
+            if (out / f"embedded-{method}" / CLIENT_STATES).exists():
+                resumed = out / f"flower-{method}-resumed"
+                stopped = config.model_copy(update={"rounds": 1})  # stopped after round 1, then resumed
+                runs += [SimulatedRun(stopped, resumed), SimulatedRun(config, resumed, resume=True)]
+        simulate_runs(runs, threads=1)
+        _RUNS["out"] = out
+    return _RUNS["out"]
+
+
+def submodel_bytes(config) -> tuple[dict[str, int], int]:
+    """Bytes of the tensors the method sends a client whose only level is each tier, and of the
+    global state."""
+    every_client = config.model_copy(update={"clients": config.clients.model_copy(update={"fraction": 1.0})})
+    method = every_client.build_strategy()
+    torch.manual_seed(0)
+    state = method.init_global_state()
+    levels = method.info.levels
+    instructions = method.configure_train(1, state, [ClientInfo(i, (t,)) for i, t in enumerate(levels)])
+    return {t: nbytes(instructions[i].arrays) for i, t in enumerate(levels)}, nbytes(state)
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors ``state`` holds."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def assert_equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same keys and bit-identical tensors of the same dtypes."""
+    assert a.keys() == b.keys()
+    different = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def layout(run_dir: Path) -> set[str]:
+    """A run directory's file names, the checkpoint generation's id masked."""
+    return {re.sub(r"ckpt-\w+-\w+", "ckpt-#", p.name) for p in run_dir.iterdir()}
+
+
+def records(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` records without their wall times (none before it has any)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in lines]

@@ -1,0 +1,108 @@
+"""The method contract, checked for every registered method (as tests/test_model_contract.py is
+for every model): two rounds on digits, a bit-identical resume (global, client and server state
+and the metrics records), settings that survive the saved configuration, what the engine reads
+(``info``), the method in ``nefl-zoo methods``, and README tables that list every method.
+A new method file is covered here without an edit."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nefl_zoo.fl.engine import Engine, resume_config
+from nefl_zoo.fl.registry import parse_settings, registered_methods
+from nefl_zoo.fl.strategy import MethodInfo
+
+from .conftest import crash_in_round, same_tensors, tiny
+
+torch.set_num_threads(1)
+METHODS = list(registered_methods())
+README = Path(__file__).resolve().parents[1] / "README.md"
+LEVELS = ("g0.2", "g0.4", "g0.6", "g0.8", "g1")
+
+
+def contract_config(method: str):
+    """Two rounds, five width tiers (one per resource level), five clients of which two train
+    each round (so some join late), one local epoch in batches of 64, 8:1:1 client splits (for
+    methods that evaluate on clients), one evaluation after the last round, a checkpoint every
+    round."""
+    spec = {"model": "resnet20", "model_args": {"in_chans": 1, "img_size": 8},
+            "tiers": [{"name": t, "gamma_w": float(t[1:])} for t in LEVELS]}
+    return tiny(method=method, spec=spec, rounds=2, checkpoint_every=1, eval__every=2, clients__num_clients=5,
+                clients__fraction=0.4, train__local_epochs=1, train__batch_size=64, data__local_split=[0.8, 0.1, 0.1], data__max_test_samples=32)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_rounds_then_a_resume_are_bit_identical(tmp_path, monkeypatch, method):
+    config = contract_config(method)
+    engine = Engine(config, tmp_path / "straight")
+    result = engine.run()
+    info = engine.strategy.info
+    assert isinstance(info, MethodInfo) and info.input_size == (1, 8, 8) and info.num_classes == 10
+    assert set(info.levels) <= set(LEVELS) and info.eval_names
+    assert result.acc and set(result.acc) <= set(info.eval_names) and all(0 <= a <= 1 for a in result.acc.values())
+    assert all("/" in k for k in result.extra)
+    assert all(engine.strategy.submodel_numel(name) > 0 for name in (*info.levels, *info.eval_names))
+    straight = records(tmp_path / "straight")
+    assert [r["round"] for r in straight] == [1, 2] and all(r["clients"] >= 1 and r["rejected"] == 0 for r in straight)
+    assert all(set(r["tiers"]) <= set(info.levels) for r in straight)
+
+    crash_in_round(config, tmp_path / "resumed", monkeypatch, 1)
+    Engine(config, tmp_path / "resumed").run(resume=True)
+    for name in ("global.safetensors", "clients.safetensors", "server.safetensors"):
+        assert (tmp_path / "straight" / name).exists() == (tmp_path / "resumed" / name).exists(), name
+        if (tmp_path / "straight" / name).exists():
+            assert same_tensors(tmp_path / "straight", tmp_path / "resumed", name), name
+    assert records(tmp_path / "resumed") == straight
+
+    # the settings round-trip through the saved configuration
+    saved = resume_config(tmp_path / "straight")
+    assert saved.method == method and saved.build_strategy().settings == engine.strategy.settings
+    assert parse_settings(method, saved.method_args) == engine.strategy.settings
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_setting_is_described_and_its_default_validates(method):
+    cls = registered_methods()[method]
+    assert cls.name == method and cls.label and (cls.__doc__ or "").strip()
+    assert all(field.description for field in cls.Settings.model_fields.values()), method
+    defaults = cls.Settings()
+    assert cls.Settings.model_validate(defaults.model_dump(mode="json")) == defaults
+
+
+def test_every_method_is_listed_by_the_cli():
+    from nefl_zoo_cli.app import app
+
+    out = CliRunner().invoke(app, ["methods"], env={"COLUMNS": "400"})
+    assert out.exit_code == 0, out.output
+    listed = {line.split()[1] for line in out.output.splitlines() if len(line.split()) > 1 and line.split()[0] in "│┃|"}
+    assert set(METHODS) <= listed, set(METHODS) - listed
+
+
+def _readme_methods(header: str) -> list[str]:
+    """The method names in the first column of the README table whose header row is ``header``."""
+    text = README.read_text()
+    table = re.search(re.escape(header) + r"\n(\|.*\|\n)+", text)
+    assert table, f"README.md has no table {header!r}"
+    names = []
+    for row in table.group(0).strip().splitlines()[2:]:
+        names += re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])
+    return names
+
+
+def test_the_readme_method_tables_list_every_registered_method():
+    assert sorted(_readme_methods("| method | what a client trains | BN at evaluation | departs from its paper |")) == sorted(METHODS)
+    with_args = {m for m in METHODS if registered_methods()[m].Settings.model_fields}
+    assert sorted(_readme_methods("| method | `method_args` |")) == sorted(with_args)
+
+
+def test_the_registry_lists_the_built_in_methods_in_sorted_module_order():
+    modules = [registered_methods()[m].__module__ for m in METHODS]
+    assert modules == sorted(modules) and len(set(METHODS)) == len(METHODS)
