@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +102,24 @@ def same_tensors(a_dir, b_dir, name: str = "global.safetensors") -> bool:
 
     a, b = load_file(str(a_dir / name)), load_file(str(b_dir / name))
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+CONTRACT_LEVELS = ("g0.2", "g0.4", "g0.6", "g0.8", "g1")
+
+
+def contract_config(method: str):
+    """The method contract's run (embedded and Flower): two rounds, five width tiers (one per
+    resource level), five clients of which two train each round (so some join late), one local
+    epoch in batches of 64, 8:1:1 client splits (for methods that evaluate on clients), one
+    evaluation after the last round, a checkpoint every round."""
+    spec = {"model": "resnet20", "model_args": {"in_chans": 1, "img_size": 8},
+            "tiers": [{"name": t, "gamma_w": float(t[1:])} for t in CONTRACT_LEVELS]}
+    return tiny(method=method, spec=spec, rounds=2, checkpoint_every=1, eval__every=2, clients__num_clients=5,
+                clients__fraction=0.4, train__local_epochs=1, train__batch_size=64, data__local_split=[0.8, 0.1, 0.1], data__max_test_samples=32)
+
+
+def records(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` records without their wall times (none before it has any)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in lines]

@@ -75,6 +75,17 @@ def test_configure_train_sends_each_sampled_client_its_submodel():
     assert strategy.configure_train(3, state, clients).keys() == instructions.keys()  # seeded by round
 
 
+@pytest.mark.parametrize("method, trained", [("fedavg", {0, 1, 2, 3}), ("fedavg_full", {2, 3})])
+def test_fedavg_trains_the_full_model_on_every_client_or_only_on_full_model_clients(method, trained):
+    """``fedavg`` sends every sampled client the full model whatever its levels; ``fedavg_full``
+    only the clients whose environment allows it (the others sit the round out)."""
+    strategy = tiny(method=method, clients__fraction=1.0).build_strategy()
+    state = strategy.init_global_state()
+    clients = [ClientInfo(0, ("g0.25",)), ClientInfo(1, ("g0.25", "g0.5")), ClientInfo(2, ("g0.5", "g1")), ClientInfo(3, ("g1",))]
+    instructions = strategy.configure_train(1, state, clients)
+    assert set(instructions) == trained and {i.level for i in instructions.values()} == {"g1"}
+
+
 def test_registry_refuses_a_second_method_of_the_same_name():
     with pytest.raises(ValueError, match="'nefl' is registered twice"):
         register_method("nefl", label="again")(type("Again", (NeFL,), {}))

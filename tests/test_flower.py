@@ -22,8 +22,8 @@ from nefl_zoo.fl.flower.records import (instruction_content, read_instruction, r
                                         tensor_bytes, to_state)
 from nefl_zoo.fl.strategy import Instruction, Reply  # noqa: E402
 
-from .conftest import same_tensors, tiny  # noqa: E402
-from .support.flower import assert_equal_tensors, nbytes, records  # noqa: E402
+from .conftest import records, same_tensors, tiny  # noqa: E402
+from .support.flower import assert_equal_tensors, nbytes  # noqa: E402
 
 torch.set_num_threads(1)
 TIERS = ["g0.25", "g0.5", "g1"]

@@ -4,7 +4,6 @@ and the metrics records), settings that survive the saved configuration, what th
 (``info``), the method in ``nefl-zoo methods``, and README tables that list every method.
 A new method file is covered here without an edit."""
 
-import json
 import re
 from pathlib import Path
 
@@ -16,27 +15,11 @@ from nefl_zoo.fl.engine import Engine, resume_config
 from nefl_zoo.fl.registry import parse_settings, registered_methods
 from nefl_zoo.fl.strategy import MethodInfo
 
-from .conftest import crash_in_round, same_tensors, tiny
+from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, crash_in_round, records, same_tensors
 
 torch.set_num_threads(1)
 METHODS = list(registered_methods())
 README = Path(__file__).resolve().parents[1] / "README.md"
-LEVELS = ("g0.2", "g0.4", "g0.6", "g0.8", "g1")
-
-
-def contract_config(method: str):
-    """Two rounds, five width tiers (one per resource level), five clients of which two train
-    each round (so some join late), one local epoch in batches of 64, 8:1:1 client splits (for
-    methods that evaluate on clients), one evaluation after the last round, a checkpoint every
-    round."""
-    spec = {"model": "resnet20", "model_args": {"in_chans": 1, "img_size": 8},
-            "tiers": [{"name": t, "gamma_w": float(t[1:])} for t in LEVELS]}
-    return tiny(method=method, spec=spec, rounds=2, checkpoint_every=1, eval__every=2, clients__num_clients=5,
-                clients__fraction=0.4, train__local_epochs=1, train__batch_size=64, data__local_split=[0.8, 0.1, 0.1], data__max_test_samples=32)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("method", METHODS)

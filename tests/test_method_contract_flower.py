@@ -10,9 +10,8 @@ pytest.importorskip("flwr")
 
 from nefl_zoo.fl.registry import registered_methods  # noqa: E402
 
-from .conftest import same_tensors  # noqa: E402
-from .support.flower import CLIENT_STATES, OBSERVED, layout, records, simulation, submodel_bytes  # noqa: E402
-from .test_method_contract import contract_config  # noqa: E402
+from .conftest import contract_config, records, same_tensors  # noqa: E402
+from .support.flower import CLIENT_STATES, OBSERVED, layout, simulation, submodel_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -93,9 +93,11 @@ def single_model(run: Run, tier: TierSpec, only_allowed: bool = False) -> dict:
     whose environment allows it."""
     one = tier.model_copy(update={"learnable_steps": False})
     compiled = compile_spec(single_tier_spec(run.spec, one))
-    if only_allowed:
-        return {"compiled": compiled, "assign": lambda levels, rng: one.name if one.name in levels else None, "send_steps": False}
-    return {"compiled": compiled, "assign": lambda levels, rng: one.name, "send_steps": False}
+
+    def assign(levels: Sequence[str], rng: random.Random) -> str | None:
+        return one.name if not only_allowed or one.name in levels else None
+
+    return {"compiled": compiled, "assign": assign, "send_steps": False}
 
 
 def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:

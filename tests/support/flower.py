@@ -10,7 +10,6 @@ Flower's simulation engine (``flower-M``); every method whose embedded run keeps
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.fl.strategy import ClientInfo
 
-from ..test_method_contract import contract_config
+from ..conftest import contract_config
 
 CLIENT_STATES = "clients.safetensors"
 
@@ -93,10 +92,3 @@ def assert_equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 def layout(run_dir: Path) -> set[str]:
     """A run directory's file names, the checkpoint generation's id masked."""
     return {re.sub(r"ckpt-\w+-\w+", "ckpt-#", p.name) for p in run_dir.iterdir()}
-
-
-def records(run_dir: Path) -> list[dict]:
-    """A run's ``metrics.jsonl`` records without their wall times (none before it has any)."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in lines]
