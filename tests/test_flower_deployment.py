@@ -26,9 +26,9 @@ pytest.importorskip("flwr")
 from nefl_zoo.fl.config import parse_config  # noqa: E402
 from nefl_zoo.fl.engine import Engine  # noqa: E402
 
-from .conftest import same_tensors, tiny  # noqa: E402
+from .conftest import records, same_tensors, tiny  # noqa: E402
 from .support.deployment import LocalDeployment, group_alive  # noqa: E402
-from .support.flower import layout, records, submodel_bytes  # noqa: E402
+from .support.flower import layout, submodel_bytes  # noqa: E402
 
 pytestmark = pytest.mark.deployment
 torch.set_num_threads(1)
