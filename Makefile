@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # Mutation testing of the core (TESTING.md): each module of [tool.nefl-zoo.mutation] in
 # pyproject.toml against its own test files, one worker; slow, not part of `make test`.

@@ -86,9 +86,13 @@ def _flower():
 
 def compare(
     config: Path = typer.Argument(..., help="training config YAML shared by every method"),
-    methods: str = typer.Option(
-        "nefl,fjord,heterofl,depthfl", "--methods",
-        help="comma-separated methods; METHOD=SPEC runs a method on another spec file or shipped spec (nefl=resnet20/nefl-d)",
+    methods: Optional[str] = typer.Option(
+        None, "--methods",
+        help="comma-separated methods (default: nefl,fjord,heterofl,depthfl); METHOD:VARIANT sets method_args.variant; "
+        "METHOD=SPEC runs a method on another spec file or shipped spec (nefl=resnet20/nefl-d, depthfl:nefl=resnet20/nefl-d)",
+    ),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="a named set of entries instead of --methods: nefl-table1 (the NeFL paper's Table 1 rows and ablation)"
     ),
     seeds: int = typer.Option(3, "--seeds", help="seeds per method (config seed, +1, ...)"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder (default: runs/compare-NAME)"),
@@ -104,23 +108,29 @@ def compare(
     require_positive(seeds=seeds, threads=threads, jobs=jobs)
     _setup(threads)
     from nefl_zoo.fl import registered_methods
-    from nefl_zoo.fl.compare import compare_methods, parse_entry
+    from nefl_zoo.fl.compare import PRESETS, compare_methods, parse_entry
     from nefl_zoo.fl.config import MAX_SEED, ConfigError, load_config
     from nefl_zoo.spec import SpecError
 
+    if preset is not None and methods is not None:
+        raise fail("--preset: give --preset or --methods, not both")
+    if preset is not None and preset not in PRESETS:
+        raise fail(f"--preset: expected {', '.join(PRESETS)}, got {preset!r}")
     known = registered_methods()
-    names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m.partition("=")[0].strip() not in known]
-    if not names or unknown:
+    names = [m.strip() for m in (methods or "nefl,fjord,heterofl,depthfl").split(",") if m.strip()]
+    unknown = [m for m in names if m.partition("=")[0].partition(":")[0].strip() not in known]
+    if preset is None and (not names or unknown):
         raise fail(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
     try:
-        keys = [parse_entry(m).key for m in names]
+        keys = [parse_entry(m).key for m in names] if preset is None else []
     except SpecError as exc:
         raise fail(f"--methods: {exc}") from None
     if len(set(keys)) < len(keys):
         raise fail(f"--methods: two entries share a name ({', '.join(keys)}); give spec files different names")
     with user_errors(ConfigError, SpecError):
         cfg = load_config(config, set_)
+        if preset is not None:
+            names = PRESETS[preset](cfg)
         if cfg.seed + seeds - 1 > MAX_SEED:
             raise fail(f"--seeds: seeds {cfg.seed}..{cfg.seed + seeds - 1} go past {MAX_SEED}; lower seed or --seeds")
         folder = out or Path("runs") / f"compare-{cfg.name}"

@@ -75,7 +75,7 @@ class SubmodelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_against_model(self) -> "SubmodelSpec":
-        from .models import ModelArgsError, check_model_args, is_model, list_models
+        from .models import ModelArgsError, check_model_args, is_model, list_models, model_info
 
         if not is_model(self.model):
             raise field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
@@ -90,17 +90,23 @@ class SubmodelSpec(BaseModel):
             depths, params = model_shape(self.model, tuple(sorted(self.model_args.items())))
         except Exception as exc:  # whatever the model's constructor makes of these arguments
             message = str(exc) if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {exc}"
-            raise field_error("model_args", message or type(exc).__name__) from None
+            from .nest.sources import NestError
+
+            field = "model" if isinstance(exc, NestError) else "model_args"  # a network that cannot be nested
+            raise field_error(field, message or type(exc).__name__) from None
         if params > MAX_PARAMS:
             raise field_error(
                 "model_args", f"{self.model} with these arguments has {params:,} parameters; at most {MAX_PARAMS:,}"
             )
+        nested_automatically = model_info(self.model).module.startswith("nefl_zoo.nest")  # torchvision:/timm:/nest()
         seen: set[str] = set()
         for t, tier in enumerate(self.tiers):
             where = f"tiers[{t}]"
             if tier.name in seen:
                 raise field_error(f"{where}.name", f"duplicate tier name {tier.name!r}")
             seen.add(tier.name)
+            if nested_automatically and tier.gamma_w < 1:  # such networks nest or say why, per tier
+                _check_nests(self.model, self.model_args | self.tier_args(tier) | {"steps": None}, f"{where}.gamma_w")
             if tier.steps is None:
                 continue
             if len(tier.steps) != len(depths):
@@ -149,6 +155,21 @@ class SubmodelSpec(BaseModel):
     def full_tier(self) -> TierSpec:
         """The widest, deepest tier (largest ``gamma_w``, then most blocks)."""
         return max(self.tiers, key=lambda t: (t.gamma_w, _kept(t)))
+
+
+def _check_nests(model: str, args: dict[str, Any], field: str) -> None:
+    """Build a tier of an automatically nested network on the meta device; its
+    :class:`~nefl_zoo.nest.sources.NestError` (e.g. a channel shuffle) becomes a field error."""
+    import torch
+
+    from .models import create_model
+    from .nest.sources import NestError
+
+    try:
+        with torch.device("meta"):
+            create_model(model, **args)
+    except NestError as exc:
+        raise field_error(field, str(exc)) from None
 
 
 def _kept(tier: TierSpec) -> int:

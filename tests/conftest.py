@@ -9,6 +9,17 @@ from nefl_zoo.spec import parse_spec
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 
 
+def pytest_collection_modifyitems(items):
+    """Longest files first, so the two xdist workers (``--dist loadfile --no-loadscope-reorder``)
+    end together: the Flower deployment test (minutes of waiting on process starts and Flower's
+    3 s polls, with one test) first, then files by their number of tests."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files.values(), key=lambda group: (not group[0].get_closest_marker("deployment"), -len(group)))
+    items[:] = [item for group in order for item in group]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _macs_cache(tmp_path_factory):
     """The MACs cache of the whole run in a temporary folder, never the user's."""

@@ -113,4 +113,4 @@ def test_methods_lists_every_registered_method_with_its_settings():
     assert list(rows) == list(methods)
     for name, cls in methods.items():
         assert cls.label.split(" (")[0] in rows[name]
-    assert "mu: 0.01" in rows["fedprox"] and "kd: True" in rows["fjord"] and "kd: True" in rows["depthfl"]
+    assert "mu: 0.01" in rows["fedprox"] and "variant: original" in rows["fjord"] and "variant: original" in rows["depthfl"]

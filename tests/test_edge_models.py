@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.models import ModelArgsError, create_model, load_pretrained
 from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import SliceEntry, compile_spec
@@ -146,20 +147,13 @@ def _train_losses(run_dir) -> list[float]:
 
 
 def test_depthfl_keeps_to_prefixes_that_skip_only_skippable_blocks():
-    """DepthFL skips trailing blocks: on a family whose last block has no identity shortcut it is a
-    one-line error naming the model; on MobileNetV3-Small (last stage: a fixed block, then two
-    identity blocks) every submodel keeps at least the fixed block, and its exits train."""
+    """On MobileNetV3-Small (last stage: a fixed block, then two identity blocks) every DepthFL
+    submodel keeps at least the fixed block, and its exits train."""
     from nefl_zoo.fl import parse_config
 
-    def depthfl(name):
-        spec = {"model": name, "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 16},
-                "tiers": [{"name": "g0.2", "gamma": 0.2, "gamma_w": 0.2}, {"name": "g1", "gamma": 1.0}]}
-        return parse_config({"method": "depthfl", "spec": spec, "data": {"dataset": "digits"}}, "<test>").build_strategy()
-
-    with pytest.raises(ValueError, match=r"^depthfl needs .*: mobilenet_v2's last block \(stage 7 block 0\) cannot be") as err:
-        depthfl("mobilenet_v2")
-    assert "\n" not in str(err.value)
-    prefixes = depthfl("mobilenet_v3_small").prefixes
+    spec = {"model": "mobilenet_v3_small", "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 16},
+            "tiers": [{"name": "g0.2", "gamma": 0.2, "gamma_w": 0.2}, {"name": "g1", "gamma": 1.0}]}
+    prefixes = parse_config({"method": "depthfl", "spec": spec, "data": {"dataset": "digits"}}, "<test>").build_strategy().prefixes
     assert prefixes.bounds == {"g0.2": 9, "g1": 11}  # 11 blocks; the 9th, stage 5 block 0, has no shortcut
     torch.manual_seed(0)
     net = prefixes.eval_model(prefixes.init_global_state(), "g1", None).train()
@@ -167,3 +161,68 @@ def test_depthfl_keeps_to_prefixes_that_skip_only_skippable_blocks():
     loss, logits = net.loss(x, y)
     loss.backward()
     assert logits.shape == (4, 10) and len(net.all_logits(x)) == 2 and math.isfinite(loss.item())
+
+
+# Every registered method on the edge families, one round each: each method on one family, each
+# family under at least one method (the contract test covers every family's model contract). A
+# method added later is tried on the families in turn. DepthFL needs a last block it can skip to,
+# FedLPS a backbone whose forward_norm is a chain of its top-level modules: elsewhere both are the
+# one-line errors checked below.
+METHOD_FAMILY = {
+    "depthfl": "mobilenet_v3_small", "fedavg": "mobilenet_v3_large", "fedavg_full": "mobilenet_v3_small",
+    "fedavg_min": "efficientnet_b0", "fedavgm": "shufflenet_v2_x1_0", "fedgh": "shufflenet_v2_x0_5",
+    "fedlps": "shufflenet_v2_x0_5", "fedprox": "mobilenet_v3_small", "fjord": "mobilenet_v2",
+    "heterofl": "mobilenet_v3_large", "nefl": "shufflenet_v2_x1_0",
+}
+METHOD_FAMILIES = {m: METHOD_FAMILY.get(m, EDGE[i % len(EDGE)]) for i, m in enumerate(sorted(registered_methods()))}
+
+
+@pytest.mark.parametrize("method, name", sorted(METHOD_FAMILIES.items()))
+def test_every_method_trains_one_round_on_an_edge_family(tmp_path, method, name):
+    from nefl_zoo.fl import train
+
+    from .conftest import tiny
+
+    torch.set_num_threads(1)
+    spec = {"model": name, "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 8},
+            "tiers": [{"name": "g0.2", "gamma": 0.2, "gamma_w": 0.2}, {"name": "g0.4", "gamma": 0.4, "gamma_w": 0.4}]}
+    config = tiny(method=method, spec=spec, rounds=1, eval__every=1, eval__bn="recompute", eval__bn_batches=1,
+                  clients__num_clients=40, clients__fraction=0.05, train__local_epochs=1, train__batch_size=64,
+                  data__max_test_samples=32, data__local_split=[0.8, 0.1, 0.1],
+                  method_args={"levels": [0.0, 0.5]} if method == "fedlps" else {})  # two clients, one batch each
+    result = train(config, tmp_path / method)
+    losses = _train_losses(tmp_path / method)
+    assert len(losses) == 1 and math.isfinite(losses[0]) and 0 < losses[0] < 10, losses
+    assert result.acc and all(0 <= a <= 1 for a in result.acc.values())
+
+
+@pytest.mark.parametrize("name, applies", [("mobilenet_v2", False), ("mobilenet_v3_large", True), ("mobilenet_v3_small", True),
+                                           ("efficientnet_b0", False), ("shufflenet_v2_x1_0", False), ("shufflenet_v2_x0_5", False)])
+def test_depthfl_applies_exactly_where_the_last_block_can_be_skipped(name, applies):
+    from nefl_zoo.fl import parse_config
+
+    spec = {"model": name, "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 8},
+            "tiers": [{"name": "g0.2", "gamma": 0.2, "gamma_w": 0.2}, {"name": "g1", "gamma": 1.0}]}
+    config = parse_config({"method": "depthfl", "spec": spec, "data": {"dataset": "digits"}}, "<test>")
+    if applies:
+        assert config.build_strategy().prefixes.bounds["g1"] == sum(create_model(name, **spec["model_args"]).stage_depths)
+        return
+    expected = rf"^depthfl needs .*: {name}'s last block \(stage \d block \d\) cannot be, so its only depth prefix is the full model"
+    with pytest.raises(ValueError, match=expected) as err:
+        config.build_strategy()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0"])
+def test_fedlps_on_an_inverted_residual_family_is_a_one_line_error(name):
+    """FedLPS runs its predictor's last convolution as a top-level module; these families keep it
+    inside ``features`` (torchvision's names), so FedLPS says it cannot split them."""
+    from nefl_zoo.fl import parse_config
+
+    spec = {"model": name, "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 8},
+            "tiers": [{"name": "g0.2", "gamma": 0.2, "gamma_w": 0.2}, {"name": "g1", "gamma": 1.0}]}
+    config = parse_config({"method": "fedlps", "method_args": {"levels": [0.0, 0.5]}, "spec": spec,
+                           "data": {"dataset": "digits"}}, "<test>")
+    with pytest.raises(ValueError, match=r"^fedlps: InvertedResidualNet.forward_norm is not a chain of its modules") as err:
+        config.build_strategy()
+    assert "\n" not in str(err.value)

@@ -97,6 +97,36 @@ def test_fedgh_learns_personalised_models(tmp_path):
     assert set(load_file(str(tmp_path / "straight" / "global.safetensors"))) == {"header.weight", "header.bias"}
 
 
+def test_clients_score_their_locally_trained_models_and_the_global_header_is_an_extra(tmp_path):
+    """The authors' protocol: each client's own model (its extractor and the header it trained
+    locally) on its own test split, mean per extractor type; its extractor with the global header
+    is ``global_header/TIER``. Both recomputed here from the saved client and global state."""
+    engine = Engine(fedgh(rounds=1, train__local_epochs=1, eval__every=1), tmp_path)
+    result = engine.run()
+    clients = load_file(str(tmp_path / "clients.safetensors"))
+    glob = load_file(str(tmp_path / "global.safetensors"))
+    strategy = engine.strategy
+    own: dict[str, list[float]] = {}
+    shared: dict[str, list[float]] = {}
+    for client in engine.clients:
+        state = {k.split("/", 1)[1]: v for k, v in clients.items() if k.split("/", 1)[0] == str(client.cid)}
+        assert {"header.weight", "header.bias"} <= state.keys()  # the local header stays on the client
+        tier = strategy.extractor_tier(client)
+        extractor = strategy.extractor(tier, client.cid, state).eval()
+        test = engine.data.client_test(client.cid)
+        with torch.no_grad():
+            feats = torch.stack([extractor(x[None])[0] for x, _ in test])
+        labels = torch.tensor([int(y) for _, y in test])
+        for out, header in ((own, state), (shared, glob)):
+            logits = feats @ header["header.weight"].T + header["header.bias"]
+            out.setdefault(tier, []).append(int((logits.argmax(1) == labels).sum()) / len(labels))
+    assert result.acc.keys() == own.keys()
+    for tier in own:
+        assert result.acc[tier] == pytest.approx(np.mean(own[tier]), abs=1e-9)
+        assert result.extra[f"global_header/{tier}"] == pytest.approx(np.mean(shared[tier]), abs=1e-9)
+    assert any(abs(result.acc[t] - result.extra[f"global_header/{t}"]) > 1e-9 for t in own)  # two different models
+
+
 def test_client_test_needs_a_local_split(tmp_path):
     with pytest.raises(ValueError, match="set data.local_split"):
         Engine(fedgh(data__local_split=None, rounds=1, train__local_epochs=1, clients__fraction=0.2), tmp_path).run()

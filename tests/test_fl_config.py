@@ -89,8 +89,9 @@ def test_relative_spec_path_is_resolved_against_the_config(tmp_path):
 def test_method_args_are_the_methods_own_settings_and_saved_with_their_defaults():
     config = parse_config({"spec": SPEC, "method": "fjord", "method_args": {"kd": True}})
     assert config.build_strategy().settings.kd is True
-    assert config.to_dict()["method_args"] == {"kd": True, "kd_alpha": 1.0, "kd_temperature": 1.0}
-    assert parse_config({"spec": SPEC, "method": "fjord"}).to_dict()["method_args"] == {"kd": True, "kd_alpha": 1.0, "kd_temperature": 1.0}
+    assert config.to_dict()["method_args"] == {"variant": "original", "kd": True, "kd_alpha": 1.0, "kd_temperature": 1.0}
+    defaults = {"variant": "original", "kd": None, "kd_alpha": 1.0, "kd_temperature": 1.0}  # kd none: the variant's own (on)
+    assert parse_config({"spec": SPEC, "method": "fjord"}).to_dict()["method_args"] == defaults
     other = config.with_method("fedprox", seed=3)  # another method starts from its own defaults
     assert (other.method, other.seed, other.build_strategy().settings.mu) == ("fedprox", 3, 0.01)
 

@@ -134,8 +134,8 @@ def test_depthfl_holds_its_prefix_and_the_exits_up_to_it_and_evaluates_the_ensem
     assert method.info.levels == method.info.eval_names == ("g0.25", "g0.5", "g1")
     assert method.prefixes.bounds == {"g0.25": 6, "g0.5": 7, "g1": 9}  # blocks; ratios 0.24, 0.46, 1 of 0.25, 0.5, 1
     held = method.entries(method.assign(["g0.25"], random.Random(0)))
-    assert "layer3.0.downsample.0.weight" in held and "exits.0.weight" in held  # stage 3 only downsamples
-    assert not any(k.startswith(("layer3.0.conv", "layer3.1.", "fc.", "exits.1.", "exits.2.")) for k in held)
+    assert "exits.0.fc.weight" in held and "exits.0.bottleneck.0.0.weight" in held  # exit 0's bottleneck stands in for stage 3
+    assert not any(k.startswith(("layer3.", "fc.", "exits.1.", "exits.2.")) for k in held)
     cfg = tiny(data__max_test_samples=16)
     data = load_data(cfg.data, cfg.data_root(), method.info.input_size, 4, 0)
     acc = method.evaluate(1, method.init_global_state(), data)

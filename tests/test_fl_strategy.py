@@ -110,7 +110,8 @@ def test_fedprox_adds_the_proximal_term_to_the_loss():
 def test_fedprox_with_mu_zero_gives_nefl_tensors_exactly_and_mu_changes_the_update(tmp_path):
     def final(method, **args):
         out = tmp_path / f"{method}-{args}"
-        Engine(tiny(method=method, rounds=1, train__local_epochs=1, eval__every=1, method_args=args), out).run()
+        # FedProx averages by samples by default; with NeFL's weights (1 per client) and mu = 0 it is NeFL
+        Engine(tiny(method=method, rounds=1, train__local_epochs=1, eval__every=1, method_args=args, train__weighting="clients"), out).run()
         return load_file(str(out / "global.safetensors"))
 
     nefl, prox0, prox = final("nefl"), final("fedprox", mu=0.0), final("fedprox", mu=1.0)

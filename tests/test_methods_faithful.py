@@ -3,10 +3,12 @@ evaluation, and the comparison's paired statistics; each checked against an expe
 computed another way."""
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -14,17 +16,21 @@ from typer.testing import CliRunner
 
 from nefl_zoo_cli.app import app
 from nefl_zoo.fl.compare import Entry, entry_config, parse_entry, results_table
-from nefl_zoo.fl.config import ConfigError, parse_config
+from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
+from nefl_zoo.fl.strategy import Reply
 from nefl_zoo.fl.strategy_utils import bn_treatments, with_bn
 from nefl_zoo.profile import count_params
 from nefl_zoo.slim import SliceMap
+
+from .conftest import records
 
 LEVELS = ["g0.2", "g0.4", "g0.6", "g0.8", "g1"]
 DIGITS_W = "specs/resnet20/nefl-w.yaml"
 
 
 def config(method, spec=DIGITS_W, **sections):
+    """A run config of ``method`` on ``spec`` (``sections``: further top-level keys)."""
     return parse_config({"method": method, "spec": spec, "data": {"augment": False}, **sections}, "<test>", ".")
 
 
@@ -65,7 +71,7 @@ def test_fjord_self_distillation_is_on_by_default_and_matches_the_papers_loss(mo
     kl = (p * (p.log() - student.log_softmax(1))).sum(1).mean()
     assert torch.allclose(losses[False], F.cross_entropy(student, y), atol=1e-5)
     assert torch.allclose(losses[True], F.cross_entropy(teacher, y) + kl, atol=1e-5)
-    assert config("fjord").build_strategy().settings.kd is True
+    assert config("fjord").build_strategy().settings.distil is True
 
 
 # -- DepthFL ---------------------------------------------------------------------------------
@@ -92,35 +98,97 @@ def test_depthfl_tiers_match_gamma_within_005_where_blocks_allow():
         assert abs(ratio - method.compiled[t].tier.gamma) <= 0.05, (t, ratio)
 
 
-def test_depthfl_exits_read_the_features_at_their_prefix():
-    """At initialisation every tier's BN affine is the same, so in train mode exit i of the full
-    tier's one forward equals tier i's own slim network with its classifier replaced by exit i."""
+def test_depthfl_exits_are_bottlenecks_on_the_features_at_their_prefix():
+    """Exit i reads the features after its prefix through a bottleneck (a SepConv per stage the
+    prefix does not reach) and a linear classifier; with shared BN, in train mode, exit 0 of the full
+    tier's forward equals the g0.2 slim network's stage-2 output through exit 0, and exit 4 the full
+    network with exit 4's classifier."""
     method = config("depthfl").build_strategy()
     torch.manual_seed(0)
     state = method.init_global_state()
+    assert not any("@" in k for k in state)  # DepthFL's own: nothing per submodel
     local = method.client_model("g1", SliceMap(dict(method.entries("g1"))).extract(state)).train()
+    # bounds 5, 7, 8, 8, 9 blocks: only g0.2's prefix ends in stage 2 (16/32/64 channels)
+    assert [len(local.exits[str(i)].bottleneck) for i in range(5)] == [1, 0, 0, 0, 0]
+    shapes = [tuple(p.shape) for p in local.exits["0"].bottleneck.parameters()]
+    assert shapes == [(32, 1, 3, 3), (32, 32, 1, 1), (32,), (32,), (32, 1, 3, 3), (64, 32, 1, 1), (64,), (64,)]
+    assert local.exits["0"].bottleneck[0][0].stride == (2, 2)
     x = torch.randn(6, 1, 16, 16, generator=torch.Generator().manual_seed(3))
     logits = local.all_logits(x)
-    for i, tier in enumerate(LEVELS):
-        net = method.compiled[tier].load(state)
-        net.fc.weight.data, net.fc.bias.data = state[f"exits.{i}.weight"], state[f"exits.{i}.bias"]
-        assert torch.allclose(logits[i], net.train()(x), atol=1e-5), tier
+    exit0 = local.exits["0"]
+    features = method.compiled["g0.2"].load(state).train().forward_intermediates(x, [1], intermediates_only=True)[0]
+    assert features.shape == (6, 32, 8, 8) and exit0.bottleneck(features).shape == (6, 64, 4, 4)
+    assert torch.allclose(logits[0], exit0.fc(exit0.bottleneck(features).mean((2, 3))), atol=1e-5)
+    net = method.compiled["g1"].load(state)
+    net.fc.weight.data, net.fc.bias.data = state["exits.4.fc.weight"], state["exits.4.fc.bias"]
+    assert torch.allclose(logits[4], net.train()(x), atol=1e-5)
 
 
-def test_depthfl_mutual_distillation_is_the_average_kl_between_exits():
+def test_depthfl_mutual_distillation_is_the_ramped_average_kl_between_exits():
     x, y = torch.randn(6, 1, 16, 16, generator=torch.Generator().manual_seed(4)), torch.arange(6)
+    method = config("depthfl").build_strategy()
+    torch.manual_seed(0)
+    arrays = SliceMap(dict(method.entries("g0.6"))).extract(method.init_global_state())
     losses = {}
-    for kd in (False, True):
-        method = config("depthfl", method_args={"kd": kd}).build_strategy()
-        torch.manual_seed(0)
-        state = method.init_global_state()
-        local = method.client_model("g0.6", SliceMap(dict(method.entries("g0.6"))).extract(state)).train()
-        losses[kd], _ = local.loss(x, y)
+    for w in (0.0, 0.25):
+        local = method.prefixes.model("g0.6", arrays, w).train()
+        losses[w], _ = local.loss(x, y)
         logits = local.all_logits(x)
-    assert torch.allclose(losses[False], sum(F.cross_entropy(z, y) for z in logits), atol=1e-5)
+    assert torch.allclose(losses[0.0], sum(F.cross_entropy(z, y) for z in logits), atol=1e-5)
     logp = [z.log_softmax(1) for z in logits]
     kd_term = sum((logp[j].exp() * (logp[j] - logp[i])).sum(1).mean() for i in range(3) for j in range(3) if i != j) / 2
-    assert kd_term > 0.001 and torch.allclose(losses[True] - losses[False], kd_term, atol=1e-5)
+    assert kd_term > 0.001 and torch.allclose(losses[0.25] - losses[0.0], 0.25 * kd_term, atol=1e-5)
+
+
+def test_depthfl_distillation_weight_ramps_up_as_the_papers_formula(monkeypatch):
+    from nefl_zoo.fl.methods.depthfl import Prefixes, kd_weight
+    from nefl_zoo.fl.strategy import Instruction
+
+    # exp(-5 (1 - t/R)^2), t = round - 1 capped at R = 0.3 T: the authors' 300 of 1000 rounds
+    assert kd_weight(1, 1000, 0.3) == pytest.approx(math.exp(-5), rel=1e-12)  # 0.0067 at the start
+    assert kd_weight(151, 1000, 0.3) == pytest.approx(math.exp(-1.25), rel=1e-12)
+    assert kd_weight(301, 1000, 0.3) == 1.0 and kd_weight(1000, 1000, 0.3) == 1.0
+    assert kd_weight(3, 10, 0.3) == pytest.approx(math.exp(-5 / 9), rel=1e-12)  # R = 3, t = 2
+    method = config("depthfl", rounds=10).build_strategy()
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def model(self, tier, arrays, weight=0.0):  # what the client's step would train, then stop
+        seen.append(weight)
+        raise Built
+
+    monkeypatch.setattr(Prefixes, "model", model)
+    with pytest.raises(Built):
+        method.train(Instruction({}, {"round": 3}, "g0.2"), None, {})
+    assert seen == [pytest.approx(math.exp(-5 / 9), rel=1e-12)]
+
+
+def test_feddyn_client_and_server_updates_by_hand():
+    from nefl_zoo.fl.feddyn import FedDynLocal, client_update, server_update
+    from nefl_zoo.fl.local import SubmodelLocal
+
+    # server: h <- h - alpha n/M (w_avg - w_old); w = w_avg - h/alpha; statistics untouched
+    h = {"a.weight": torch.tensor([1.0, 0.0])}
+    old = {"a.weight": torch.tensor([0.0, 2.0]), "b.bias": torch.tensor([1.0]), "bn.running_mean": torch.tensor([5.0])}
+    avg = {"a.weight": torch.tensor([2.0, 2.0]), "b.bias": torch.tensor([3.0]), "bn.running_mean": torch.tensor([7.0])}
+    new = server_update(h, old, avg, {"a.weight": 2, "b.bias": 1, "bn.running_mean": 2}, num_clients=4, alpha=0.5)
+    assert torch.equal(h["a.weight"], torch.tensor([1.0 - 0.5 * 0.5 * 2, 0.0])) and torch.equal(h["b.bias"], torch.tensor([-0.25]))
+    assert torch.equal(new["a.weight"], torch.tensor([2.0 - 0.5 / 0.5, 2.0])) and torch.equal(new["b.bias"], torch.tensor([3.5]))
+    assert torch.equal(new["bn.running_mean"], torch.tensor([7.0])) and "bn.running_mean" not in h
+    # client: g <- g - alpha (w - w_received); the loss adds -<w, g> + alpha/2 ||w - w_received||^2
+    grads = {}
+    client_update(grads, {"a.weight": torch.tensor([1.0, 1.0])}, {"a.weight": torch.tensor([3.0, 0.0]), "bn.running_var": torch.ones(1)}, 0.1)
+    assert torch.allclose(grads["a.weight"], torch.tensor([-0.2, 0.1])) and set(grads) == {"a.weight"}
+    net = nn.Linear(2, 2, bias=False)
+    base = SubmodelLocal(net)
+    local = FedDynLocal(base, {"weight": net.weight}, {"weight": torch.full((2, 2), 0.5)}, alpha=2.0)
+    x, y = torch.randn(3, 2), torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        net.weight.add_(0.1)
+        expected = base.loss(x, y)[0] - 0.5 * float(net.weight.sum()) + 2.0 / 2 * 4 * 0.1**2
+        assert float(local.loss(x, y)[0]) == pytest.approx(float(expected), rel=1e-6)
 
 
 # -- FedAvg ----------------------------------------------------------------------------------
@@ -232,3 +300,106 @@ def test_resnet20_comparison_specs_are_within_002_of_gamma(name):
     assert all(abs(r - t.gamma) <= 0.02 for r, t in zip(ratios, spec.tiers)), ratios
     text = open(path).read()
     assert all(f"measured params ratio {r:.3f}" in text for r in ratios)  # the comments state what is measured
+
+
+# -- variants: the NeFL paper's FjORD and DepthFL ---------------------------------------------
+
+def test_fjord_nefl_trains_one_width_per_client_round_and_is_nefl_w_with_fixed_steps(tmp_path):
+    """The NeFL authors' FjORD: the width a client draws this round (as NeFL draws submodels),
+    cross-entropy, fixed steps, 1 per client: bit-identical to NeFL on the same widths with N/L steps."""
+    from nefl_zoo.fl.engine import Engine
+    from nefl_zoo.fl.local import SubmodelLocal
+
+    from .conftest import tiny
+
+    spec = tiny().to_dict()["spec"]
+    fixed = {**spec, "tiers": [{**t, "learnable_steps": False} for t in spec["tiers"]]}
+    runs = {}
+    for name, kw in (("fjord", dict(method="fjord", method_args={"variant": "nefl"})), ("nefl", dict(method="nefl", spec=fixed))):
+        engine = Engine(tiny(rounds=1, train__local_epochs=1, eval__every=1, data__max_test_samples=32, **kw), tmp_path / name)
+        engine.run()
+        runs[name] = (engine, load_file(str(tmp_path / name / "global.safetensors")), records(tmp_path / name))
+    (fjord, a, rec_a), (_, b, rec_b) = runs["fjord"], runs["nefl"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rec_a[0]["per_client"] == rec_b[0]["per_client"] and len(set(c["tier"] for c in rec_a[0]["per_client"].values())) > 1
+    assert fjord.strategy.weighting == "clients"
+    local = fjord.strategy.client_model("g0.5", SliceMap(dict(fjord.strategy.entries("g0.5"))).extract(a))
+    assert isinstance(local, SubmodelLocal) and not any(p.requires_grad for k, p in local.net.named_parameters() if k.endswith("step"))
+    with pytest.raises(ConfigError, match=r"method_args: fjord: kd: variant nefl"):
+        config("fjord", method_args={"variant": "nefl", "kd": True})
+
+
+def test_depthfl_nefl_is_the_nefl_d_blocks_with_one_shared_classifier_and_bn():
+    method = config("depthfl", spec="specs/resnet20/nefl-d.yaml", method_args={"variant": "nefl"}).build_strategy()
+    torch.manual_seed(0)
+    state = method.init_global_state()
+    assert not any("@" in k or k.startswith("exits") or k.endswith("step") for k in state)
+    # g0.2 of NeFL-D keeps blocks [[1, 1, 1], [1, 1, 0], [0, 0, 0]]: non-contiguous, stage 3's projection kept
+    held = method.entries("g0.2")
+    assert "layer2.1.conv1.weight" in held and "layer2.2.conv1.weight" not in held and "layer3.1.conv1.weight" not in held
+    assert "layer3.0.downsample.0.weight" in held and "layer3.0.conv1.weight" not in held
+    assert all(held[k].global_key == k for k in ("fc.weight", "bn1.weight"))  # shared, not per tier
+    local = method.client_model("g0.2", SliceMap(dict(held)).extract(state))
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        assert float(local.loss(x, y)[0]) == pytest.approx(float(F.cross_entropy(local(x), y)), rel=1e-6)
+    assert method.weighting == "clients" and method.local_model is not None
+    with pytest.raises(ValueError, match="depth-only"):
+        config("depthfl", method_args={"variant": "nefl"}).build_strategy()
+    with pytest.raises(ConfigError, match=r"method_args: depthfl: feddyn: variant nefl"):
+        config("depthfl", method_args={"variant": "nefl", "feddyn": True})
+
+
+# -- each method's own averaging weights ------------------------------------------------------
+
+def test_each_method_weights_as_its_paper_unless_train_weighting_says_otherwise():
+    expected = {"nefl": "clients", "heterofl": "clients", "fedavg": "samples", "fedavg_min": "samples", "fedprox": "samples",
+                "fedavgm": "samples", "fjord": "samples"}
+    assert {m: config(m).build_strategy().weighting for m in expected} == expected
+    assert config("fjord", method_args={"variant": "nefl"}).build_strategy().weighting == "clients"
+
+    def final(weighting):
+        strategy = config("fedavg", train={"weighting": weighting}).build_strategy()
+        torch.manual_seed(0)
+        state = strategy.init_global_state()
+
+        def reply(value, n):
+            return Reply({k: torch.full(e.shape, value, dtype=state[e.global_key].dtype) for k, e in strategy.entries("g1").items()},
+                         num_samples=n, level="g1")
+
+        return strategy.aggregate_train(1, state, {0: reply(1.0, 10), 1: reply(3.0, 30)}).state["fc.weight"]
+
+    assert torch.all(final(None) == 2.5)  # (10 * 1 + 30 * 3) / 40: FedAvg's n_k / n
+    assert torch.all(final("clients") == 2.0)  # (1 + 3) / 2
+
+
+# -- compare --preset nefl-table1 -------------------------------------------------------------
+
+def test_compare_preset_nefl_table1_runs_every_row_with_its_macs_per_client_round(tmp_path):
+    """One round, two clients (one per round), on digits: every row of the NeFL paper's Table 1 and
+    its ablation, and the MACs column; FedAvg's value recomputed here: local epochs x the client's
+    training samples x fvcore's forward MACs of the full ResNet20 at 1x8x8."""
+    from nefl_zoo.fl.compare import PRESETS, compare_methods
+    from nefl_zoo.fl.data import load_data
+    from nefl_zoo.models import create_model
+    from nefl_zoo.profile import count_macs
+
+    config = load_config("specs/train/digits-table1.yaml", ["rounds=1", "clients.num_clients=2", "clients.fraction=0.5",
+                                                             "train.local_epochs=1", "data.max_test_samples=16", "eval.bn_batches=1"])
+    result = compare_methods(config, PRESETS["nefl-table1"](config), 1, tmp_path, plot=False)
+    table = result.markdown.split("BN statistics at evaluation: **recompute**")[0]
+    rows = {line.split(" | ")[1]: line.split(" | ")[-1].strip(" |") for line in table.splitlines() if line.startswith("| resnet20 |")}
+    assert list(rows) == ["NeFL-W", "NeFL-W (N/L)", "NeFL-D", "NeFL-D (N/L)", "NeFL-WD", "NeFL-WD (N/L)", "HeteroFL",
+                          "FjORD (NeFL's)", "DepthFL (NeFL's)", "FedAvg (full model)"]
+    assert "| Model | Method | Worst | Avg | MACs per client-round (M) |" in table
+    record = records(tmp_path / "fedavg" / "seed0")[0]
+    (cid,) = (int(c) for c in record["per_client"])
+    data = load_data(config.data, config.data_root(), (1, 8, 8), 2, 0)
+    macs = count_macs(create_model("resnet20", num_classes=10, in_chans=1, img_size=8), (1, 8, 8))
+    assert rows["FedAvg (full model)"] == f"{1 * len(data.client_dataset(cid)) * macs / 1e6:.1f}"
+    assert float(rows["NeFL-W"]) < float(rows["FedAvg (full model)"]) and all(float(v) > 0 for v in rows.values())
+    args = ["compare", "specs/train/digits-table1.yaml", "--out", str(tmp_path / "cli")]
+    for extra, start in ((["--preset", "nefl-table1", "--methods", "nefl"], "error: --preset: give --preset or --methods, not both"),
+                         (["--preset", "table9"], "error: --preset: expected nefl-table1, got 'table9'")):
+        refused = CliRunner().invoke(app, args + extra)
+        assert refused.exit_code == 2 and refused.output.startswith(start), refused.output

@@ -13,27 +13,34 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from .batches import shuffled_batches
+from .device import placement
 
 BN_TREATMENTS = ("running", "recompute")
 
 
 def recompute_batches(dataset: Dataset, batch_size: int, seed: int, batches: int) -> Iterator:
     """The first ``batches`` batches of ``dataset`` shuffled with ``seed`` (the same batches on
-    every call with the same arguments; the global RNG is not used)."""
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
-    return itertools.islice(loader, batches)
+    every call with the same arguments; the global RNG is not used), on the current
+    placement's device."""
+    return itertools.islice(shuffled_batches(dataset, batch_size, seed, 1, placement().device), batches)
 
 
 @torch.no_grad()
 def recompute_bn(net: nn.Module, batches: Iterable) -> None:
     """Reset every BN layer's statistics and recompute them as a cumulative average over
-    ``batches`` of ``(x, y)``; ``net`` is left in eval mode."""
+    ``batches`` of ``(x, y)`` (on the current placement's device, where ``net`` is moved);
+    ``net`` is left in eval mode."""
+    where = placement()
+    net.to(where.device)
     norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for m in norms:
         m.reset_running_stats()
         m.momentum = None
     net.train()
     for x, _ in batches:
-        net(x)
+        with where.autocast():
+            net(x.to(where.device))
     net.eval()

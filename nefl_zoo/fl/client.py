@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from .batches import ordered_batches, shuffled_batches
+from .device import placement, to_cpu
 from .local import LocalModel
 from .settings import TrainConfig
+from .strategy import Reply
 
 
 @dataclass
@@ -20,6 +23,12 @@ class ClientResult:
     state: dict[str, torch.Tensor]
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def reply(self, level: str | None) -> Reply:
+        """The reply of a client of ``level`` that trained: its state, sample count, mean loss
+        and training accuracy."""
+        return Reply(self.state, {"accuracy": self.metrics["accuracy"]}, num_samples=self.num_samples,
+                     loss=self.metrics["loss"], level=level)
 
 
 def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
@@ -40,43 +49,57 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
 
 def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     """SGD on ``dataset`` as an instruction's ``config`` says (``lr``, ``local_epochs``,
-    ``batch_size``, ``momentum``, ``weight_decay``, optional ``grad_clip``, ``seed``).
+    ``batch_size``, ``momentum``, ``weight_decay``, optional ``grad_clip``, ``seed``), on the
+    device and in the precision of the current :func:`~nefl_zoo.fl.device.placement`.
 
     All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
-    global RNG state is left untouched, so results do not depend on what ran before.
+    global RNG state is left untouched, so results do not depend on what ran before. ``local``
+    is moved to the device; the returned state is on the CPU.
     """
+    where = placement()
     seed, grad_clip = int(config["seed"]), config.get("grad_clip")
+    local.to(where.device)
     params = [p for p in local.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
+    scaler = where.scaler()
     total_loss, correct, seen = 0.0, 0, 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        generator = torch.Generator().manual_seed(seed)
-        loader = DataLoader(dataset, batch_size=int(config["batch_size"]), shuffle=True, generator=generator)
         local.train()
-        for _ in range(int(config["local_epochs"])):
-            for x, y in loader:
-                if len(y) < 2:  # BatchNorm cannot train on a single sample
-                    continue
-                optimizer.zero_grad(set_to_none=True)
+        for x, y in shuffled_batches(dataset, int(config["batch_size"]), seed, int(config["local_epochs"]), where.device):
+            if len(y) < 2:  # BatchNorm cannot train on a single sample
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            with where.autocast():
                 loss, logits = local.loss(x, y)
+            if scaler is None:
                 loss.backward()
-                if grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            if grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            if scaler is None:
                 optimizer.step()
-                total_loss += float(loss.detach()) * len(y)
-                correct += int((logits.argmax(1) == y).sum())
-                seen += len(y)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            total_loss += float(loss.detach()) * len(y)
+            correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
     metrics = {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1)}
-    return ClientResult(local.state(), len(dataset), metrics)
+    return ClientResult(to_cpu(local.state()), len(dataset), metrics)
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
-    """Top-1 accuracy of ``model`` (in eval mode) on ``dataset``."""
-    model.eval()
+    """Top-1 accuracy of ``model`` (in eval mode, moved to the current placement's device) on
+    ``dataset``."""
+    where = placement()
+    model.to(where.device).eval()
     correct = total = 0
-    for x, y in DataLoader(dataset, batch_size=batch_size):
-        correct += int((model(x).argmax(1) == y).sum())
+    for x, y in ordered_batches(dataset, batch_size, where.device):
+        with where.autocast():
+            correct += int((model(x).argmax(1) == y).sum())
         total += len(y)
     return correct / max(total, 1)

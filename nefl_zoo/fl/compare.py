@@ -25,38 +25,83 @@ from .registry import get_method
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of a comparison: a method, optionally on its own spec file."""
+    """One row of a comparison: a method (optionally one of its variants, ``variant``), optionally on its
+    own spec file; ``fixed_steps`` freezes every tier's step sizes (the NeFL paper's N/L);
+    ``config_model_args`` keeps the config's ``model_args`` (input size, channels) with the spec's
+    tiers; ``name`` replaces the table label."""
 
     key: str
     method: str
     spec: Path | None = None
+    variant: str | None = None
+    fixed_steps: bool = False
+    config_model_args: bool = False
+    name: str | None = None
 
     @property
     def label(self) -> str:
-        label = get_method(self.method).label
-        return f"{label} ({self.key})" if self.spec is not None else label
+        if self.name is not None:
+            return self.name
+        label = get_method(self.method).label + (f" [{self.variant}]" if self.variant else "")
+        return f"{label} ({self.spec.stem})" if self.spec is not None else label
 
 
 def parse_entry(text: str) -> Entry:
-    """``METHOD`` or ``METHOD=SPEC`` (a spec file or shipped spec name); ``KeyError`` for an
+    """``METHOD[:VARIANT][=SPEC]`` (a spec file or shipped spec name); ``KeyError`` for an
     unknown method, :class:`~nefl_zoo.spec.SpecError` for a missing spec."""
     from ..spec import resolve_spec_path
 
-    method, _, spec = (s.strip() for s in text.partition("="))
+    head, _, spec = (s.strip() for s in text.partition("="))
+    method, _, variant = (s.strip() for s in head.partition(":"))
     get_method(method)
+    suffix = f"-{variant}" if variant else ""
     if not spec:
-        return Entry(method, method)
+        return Entry(method + suffix, method, variant=variant or None)
     path = resolve_spec_path(spec).resolve()
-    return Entry(path.stem, method, path)
+    return Entry(path.stem + suffix, method, path, variant=variant or None)
+
+
+def nefl_table1(config: RunConfig) -> list[Entry]:
+    """The rows of the NeFL paper's Table 1 and its ablation on the config's model: NeFL-W, -D and
+    -WD with learnable and fixed (N/L) step sizes on the shipped ``MODEL/nefl-{w,d,wd}`` specs,
+    HeteroFL and FjORD (the NeFL authors' variant) on the W spec, DepthFL (the NeFL paper's
+    variant) on the D spec, and FedAvg on the full model; the specs' tiers with the config's
+    ``model_args``. ``SpecError`` when the model has no such shipped specs."""
+    from ..spec import resolve_spec_path
+
+    model = config.submodel_spec().model
+    specs = {kind: resolve_spec_path(f"{model}/nefl-{kind}").resolve() for kind in ("w", "d", "wd")}
+    rows = []
+    for kind, path in specs.items():
+        rows.append(Entry(f"nefl-{kind}", "nefl", path, config_model_args=True, name=f"NeFL-{kind.upper()}"))
+        rows.append(Entry(f"nefl-{kind}-nl", "nefl", path, fixed_steps=True, config_model_args=True, name=f"NeFL-{kind.upper()} (N/L)"))
+    rows += [Entry("heterofl", "heterofl", specs["w"], config_model_args=True, name="HeteroFL"),
+             Entry("fjord-nefl", "fjord", specs["w"], "nefl", config_model_args=True, name="FjORD (NeFL's)"),
+             Entry("depthfl-nefl", "depthfl", specs["d"], "nefl", config_model_args=True, name="DepthFL (NeFL's)"),
+             Entry("fedavg", "fedavg", specs["w"], config_model_args=True, name="FedAvg (full model)")]
+    return rows
+
+
+#: ``compare --preset NAME``: the entries of a named comparison for a config
+PRESETS: dict[str, Callable[[RunConfig], list[Entry]]] = {"nefl-table1": nefl_table1}
 
 
 def entry_config(config: RunConfig, entry: Entry, seed: int) -> RunConfig:
-    """``config`` for one entry and seed (the entry's spec replacing the config's)."""
+    """``config`` for one entry and seed (the entry's spec, variant and step sizes replacing the config's)."""
+    from ..spec import load_spec
+
     cfg = config.with_method(entry.method, seed)
-    if entry.spec is None:
+    if entry.spec is None and entry.variant is None and not entry.fixed_steps:
         return cfg
     data = cfg.to_dict()
-    data["spec"] = str(entry.spec)
+    if entry.variant is not None:
+        data["method_args"] = {"variant": entry.variant}
+    spec = load_spec(entry.spec).model_dump(mode="json", exclude_none=True) if entry.spec is not None else data["spec"]
+    if entry.config_model_args:
+        spec["model_args"] = dict(config.submodel_spec().model_args)
+    if entry.fixed_steps:
+        spec["tiers"] = [{**t, "learnable_steps": False} for t in spec["tiers"]]
+    data["spec"] = spec
     return parse_config(data, f"{config.name}:{entry.key}")
 
 
@@ -96,9 +141,11 @@ def _mean_std(values) -> str:
     return f"{a.mean():.2f} ± {a.std(ddof=1) if len(a) > 1 else 0.0:.2f}"
 
 
-def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]]) -> str:
+def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]],
+                  macs: dict[str, float | None] | None = None) -> str:
     """Markdown in the layout of the NeFL paper's Table 1 (worst and avg accuracy) per BN
-    treatment, the per-submodel means, and every NeFL row's paired difference against each
+    treatment, with each entry's MACs per client-round (``macs``, :func:`client_round_macs`;
+    none: no column), the per-submodel means, and every NeFL row's paired difference against each
     baseline: mean ± std over seeds of (NeFL - baseline) and how many seeds NeFL wins."""
     seeds = len(next(iter(runs.values())))
     model = config.submodel_spec().model
@@ -114,8 +161,13 @@ def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[
         stats = {e.key: [accuracies(r, treatment) for r in runs[e.key]] for e in entries}
         worst = {k: [min(a.values()) for a in v] for k, v in stats.items()}
         avg = {k: [float(np.mean(list(a.values()))) for a in v] for k, v in stats.items()}
-        lines += ["", f"BN statistics at evaluation: **{treatment}**", "", "| Model | Method | Worst | Avg |", "|---|---|---|---|"]
-        lines += [f"| {model} | {e.label} | {_mean_std(worst[e.key])} | {_mean_std(avg[e.key])} |" for e in entries]
+        head, rule = "| Model | Method | Worst | Avg |", "|---|---|---|---|"
+        if macs is not None:
+            head, rule = head + " MACs per client-round (M) |", rule + "---|"
+        lines += ["", f"BN statistics at evaluation: **{treatment}**", "", head, rule]
+        for e in entries:
+            cell = "" if macs is None else (" – |" if macs.get(e.key) is None else f" {macs[e.key] / 1e6:.1f} |")
+            lines.append(f"| {model} | {e.label} | {_mean_std(worst[e.key])} | {_mean_std(avg[e.key])} |{cell}")
         names = list(dict.fromkeys(t for e in entries for t in stats[e.key][0]))
         lines += ["", "| Method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for e in entries:
@@ -161,6 +213,46 @@ def flatness(curve: tuple[np.ndarray, np.ndarray], window: int = 5) -> tuple[flo
     return float(abs(mean[-1] - mean[earlier])), float(acc[:, -1].std(ddof=1)) if len(acc) > 1 else 0.0
 
 
+_SIZES: dict[tuple, list[int]] = {}
+
+
+def client_sizes(config: RunConfig, input_size: tuple[int, int, int]) -> list[int]:
+    """Training samples of every client of ``config`` (its partition for its seed; the same for
+    every method, so read once per data section, client count and seed)."""
+    from .data import load_data
+
+    key = (config.data.model_dump_json(), str(config.data_root()), input_size, config.clients.num_clients, config.seed)
+    if key not in _SIZES:
+        data = load_data(config.data, config.data_root(), input_size, config.clients.num_clients, config.seed)
+        _SIZES[key] = [len(data.client_dataset(c)) for c in range(config.clients.num_clients)]
+    return _SIZES[key]
+
+
+def client_round_macs(config: RunConfig, entry: Entry, seeds: list[int], out: Path) -> float | None:
+    """MACs per client-round of an entry's finished runs in ``out/KEY/seedN``: the mean, over every
+    client a round trained (all rounds, all seeds), of ``local_epochs x n_k x c(level)``, with
+    ``n_k`` the client's training samples and ``c`` the forward MACs per training image of the
+    level it trained (the method's ``client_macs``: a tier's fvcore count; FjORD's expected drawn
+    width plus its p_max teacher; DepthFL's trunk, bottlenecks and exits). Forward passes only
+    (backward adds about twice as much for every method). ``None`` for a method without
+    ``client_macs`` (FedGH, FedLPS)."""
+    total, count = 0.0, 0
+    for seed in seeds:
+        cfg = entry_config(config, entry, seed)
+        strategy = cfg.build_strategy()
+        if not hasattr(strategy, "client_macs"):
+            return None
+        sizes, per_level = client_sizes(cfg, strategy.info.input_size), {}
+        for line in (out / entry.key / f"seed{seed}" / "metrics.jsonl").read_text().splitlines():
+            for cid, client in json.loads(line).get("per_client", {}).items():
+                level = client["tier"]
+                if level not in per_level:
+                    per_level[level] = strategy.client_macs(level)
+                total += cfg.train.local_epochs * sizes[int(cid)] * per_level[level]
+                count += 1
+    return total / count if count else None
+
+
 def _macs(config: RunConfig) -> dict[str, int]:
     """MACs of the method's submodels by name; none for a method whose evaluated models are not
     tiers of a compiled spec (FedLPS reports accuracy per task)."""
@@ -202,48 +294,58 @@ def plot_comparison(config: RunConfig, entries: list[Entry], runs: dict[str, lis
 
 
 def compare_methods(
-    config: RunConfig, methods: list[str], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None,
-    jobs: int = 1, threads: int | None = None,
+    config: RunConfig, methods: list[str | Entry], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None,
+    jobs: int = 1, threads: int | None = None, reuse: bool = False, plot: bool = True,
 ) -> Comparison:
-    """Train every entry (see :func:`parse_entry`) with seeds ``config.seed .. config.seed + seeds - 1``
-    into ``out/KEY/seedN``, ``jobs`` runs at a time (more than one: each in its own process with
-    ``threads`` torch threads, no observer). Every run evaluates both BN treatments.
+    """Train every entry (an :class:`Entry` or its text, :func:`parse_entry`) with seeds
+    ``config.seed .. config.seed + seeds - 1`` into ``out/KEY/seedN``, ``jobs`` runs at a time
+    (more than one: each in its own process with ``threads`` torch threads, no observer). Every
+    run evaluates both BN treatments. With ``reuse``, a run whose ``summary.json`` exists is read,
+    not trained again (an interrupted comparison goes on where it stopped). ``plot``: also draw
+    ``comparison.png``.
 
-    The config's ``method_args`` apply to its own method; the other methods use their defaults.
-    ``observer`` makes one observer per run (e.g. a progress bar)."""
+    The config's ``method_args`` apply to its own method; the other methods use their defaults
+    (an entry's ``variant`` sets theirs). ``observer`` makes one observer per run (e.g. a progress bar)."""
     out = Path(out)
     config = config.model_copy(update={"eval": config.eval.model_copy(update={"bn_both": True})})
-    entries = [parse_entry(m) for m in methods]
+    entries = [m if isinstance(m, Entry) else parse_entry(m) for m in methods]
     jobs_list = [(e, config.seed + s) for s in range(seeds) for e in entries]  # seed by seed: a cut-short grid has whole seeds
     configs = {(e.key, seed): entry_config(config, e, seed) for e, seed in jobs_list}
     results: dict[tuple[str, int], RunResult] = {}
+    if reuse:
+        done = {k: out / k[0] / f"seed{k[1]}" / "summary.json" for k in configs}
+        results = {k: RunResult(**json.loads(p.read_text())) for k, p in done.items() if p.is_file()}
+        configs = {k: c for k, c in configs.items() if k not in results}
     if jobs > 1:
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
             futures = {k: pool.submit(_run, c.to_dict(), str(out / k[0] / f"seed{k[1]}"), threads) for k, c in configs.items()}
-            results = {k: f.result() for k, f in futures.items()}
+            results.update({k: f.result() for k, f in futures.items()})
     else:
         for k, cfg in configs.items():
             engine = Engine(cfg, out / k[0] / f"seed{k[1]}")
             results[k] = engine.run(overwrite=True, observer=observer() if observer else None)
     runs = {e.key: [results[(e.key, config.seed + s)] for s in range(seeds)] for e in entries}
-    return report(config, entries, runs, out)
+    return report(config, entries, runs, out, plot)
 
 
-def load_runs(config: RunConfig, methods: list[str], seeds: int, out: str | Path) -> dict[str, list[RunResult]]:
+def load_runs(config: RunConfig, methods: list[str | Entry], seeds: int, out: str | Path) -> dict[str, list[RunResult]]:
     """The results of finished runs in ``out/KEY/seedN`` (their ``summary.json``)."""
     runs = {}
-    for e in (parse_entry(m) for m in methods):
+    for e in (m if isinstance(m, Entry) else parse_entry(m) for m in methods):
         paths = [Path(out) / e.key / f"seed{config.seed + s}" / "summary.json" for s in range(seeds)]
         runs[e.key] = [RunResult(**json.loads(p.read_text())) for p in paths]
     return runs
 
 
-def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: str | Path) -> Comparison:
-    """Write ``results.md``, ``results.json`` and ``comparison.png`` for finished runs into ``out``."""
+def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: str | Path, plot: bool = True) -> Comparison:
+    """Write ``results.md``, ``results.json`` and (with ``plot``) ``comparison.png`` for finished runs into ``out``."""
     out = Path(out)
-    markdown = results_table(config, entries, runs)
-    results_md, plot = out / "results.md", out / "comparison.png"
-    results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n![accuracy vs MACs and vs round]({plot.name})\n")
+    seeds = [config.seed + s for s in range(len(next(iter(runs.values()))))]
+    macs = {e.key: client_round_macs(config, e, seeds, out) for e in entries}
+    markdown = results_table(config, entries, runs, macs)
+    results_md, figure = out / "results.md", out / "comparison.png"
+    results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n" + (f"![accuracy vs MACs and vs round]({figure.name})\n" if plot else ""))
     (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))
-    plot_comparison(config, entries, runs, out, plot)
-    return Comparison(runs, markdown, results_md, plot)
+    if plot:
+        plot_comparison(config, entries, runs, out, figure)
+    return Comparison(runs, markdown, results_md, figure)

@@ -10,7 +10,7 @@ sections of :mod:`.settings`). Every problem is raised as a one-line :class:`Con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -19,6 +19,9 @@ from ..userfiles import format_validation_error, parse_yaml, read_yaml
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
 from .registry import get_method, parse_settings, registered_methods
 from .strategy import Run, Strategy
+
+if TYPE_CHECKING:
+    from .device import Placement
 
 MAX_SEED = 2**32 - 1  # what every RNG seeded from it (Python, NumPy, torch) takes
 
@@ -49,6 +52,7 @@ class RunConfig(Strict):
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N rounds")
     _base_dir: Path = PrivateAttr(default_factory=Path)  # relative paths are resolved against it
     _spec: SubmodelSpec | None = PrivateAttr(None)  # parsed once
+    _source: str = PrivateAttr("<config>")  # the file (or text) it came from, for errors
 
     @field_validator("method")
     @classmethod
@@ -86,6 +90,16 @@ class RunConfig(Strict):
         """The method's strategy object, set up from this config."""
         run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval)
         return get_method(self.method)(run, parse_settings(self.method, self.method_args))
+
+    def placement(self) -> "Placement":
+        """Where clients train and models are evaluated (``train.device`` resolved on this machine,
+        ``train.precision``); a one-line :class:`ConfigError` when the device is absent."""
+        from .device import DeviceError, Placement
+
+        try:
+            return Placement.of(self.train)
+        except DeviceError as exc:
+            raise ConfigError(self._source, "train.device", str(exc)) from None
 
     def data_root(self) -> Path:
         root = Path(self.data.root)
@@ -148,6 +162,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
         err = _format(source, exc)
         raise ConfigError(source, f"method_args.{err.field}" if err.field else "method_args", f"{config.method}: {err.message}") from None
     config._base_dir = Path(base_dir)
+    config._source = source
     try:
         spec = config.submodel_spec()
     except SpecError as exc:

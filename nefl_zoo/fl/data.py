@@ -45,6 +45,7 @@ class FederatedData:
     partitions: list[np.ndarray]
 
     holdout: list[tuple[np.ndarray, np.ndarray]] | None = None  # per client (val, test) indices
+    public: np.ndarray | None = None  # training indices held out before partitioning (data.public_fraction)
 
     def client_dataset(self, client: int) -> Subset:
         """The training samples of one client."""
@@ -79,6 +80,16 @@ class TensorImages(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: np.ndarray, transform=None):
         self.images, self.labels, self.transform = images, torch.as_tensor(labels), transform
+        self._resident: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def resident(self, device: torch.device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images (zero-padded by ``pad`` on each side) and labels on ``device``, copied there
+        once and kept (:mod:`.batches` crops and batches them there)."""
+        key = (str(device), pad)
+        if key not in self._resident:
+            images = torch.nn.functional.pad(self.images, (pad,) * 4) if pad else self.images
+            self._resident[key] = images.to(device), self.labels.to(device)
+        return self._resident[key]
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -226,11 +237,27 @@ def _dirichlet(targets: np.ndarray, num_clients: int, alpha: float, rng: np.rand
     raise ValueError(f"Dirichlet(alpha={alpha}) left a client with fewer than {min_size} samples; use fewer clients")
 
 
+def public_split(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(public, rest)``: ``round(fraction * n)`` training indices of every label held out
+    (seeded), and the others; both sorted."""
+    rng = np.random.default_rng([seed, 7])
+    public = [rng.permutation(np.flatnonzero(targets == y))[: round(fraction * int((targets == y).sum()))] for y in np.unique(targets)]
+    held = np.sort(np.concatenate(public))
+    return held, np.setdiff1d(np.arange(len(targets)), held)
+
+
 def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int) -> FederatedData:
     """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it."""
     channels = input_size[0]
     if cfg.dataset == "digits":
         train, train_eval, test, targets, num_classes = _digits(input_size, cfg.test_fraction, cfg.augment)
+    elif cfg.dataset == "tasks":
+        from .multidata import load_sources
+
+        try:
+            train, train_eval, test, targets, num_classes = load_sources(cfg.task_datasets, Path(root), input_size, cfg.augment)
+        except FileNotFoundError as exc:
+            raise DatasetNotFoundError(str(exc)) from None
     else:
         if channels != 3:
             raise ValueError(f"{cfg.dataset} images have 3 channels but the model takes {channels} (spec model_args.in_chans)")
@@ -240,8 +267,13 @@ def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num
         targets = _targets(base_train)
     if cfg.max_test_samples is not None and cfg.max_test_samples < len(test):
         test = Subset(test, list(range(cfg.max_test_samples)))
-    parts = partition(targets, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
+    public = None
+    if cfg.public_fraction:  # held out first: the clients share the rest
+        public, pool = public_split(targets, cfg.public_fraction, seed)
+        parts = [pool[p] for p in partition(targets[pool], num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)]
+    else:
+        parts = partition(targets, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
     holdout = None
     if cfg.local_split is not None:
         parts, holdout = local_split(parts, cfg.local_split, seed)
-    return FederatedData(train, train_eval, test, targets, num_classes, parts, holdout)
+    return FederatedData(train, train_eval, test, targets, num_classes, parts, holdout, public)

@@ -18,9 +18,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .batched import train_clients
 from .client import learning_rate
 from .config import RunConfig, parse_config
 from .data import FederatedData, load_data
+from .device import Placement, placed
 from .store import Checkpoint, RunExistsError, RunStore, saved_config
 from .strategy import ClientInfo, Instruction, Reply, Strategy
 
@@ -75,6 +77,8 @@ class Engine:
 
     def __init__(self, config: RunConfig, out_dir: str | Path):
         self.config = config
+        #: where clients train and models are evaluated (the global state stays on the CPU)
+        self.placement: Placement = config.placement()
         self.strategy: Strategy = config.build_strategy()
         info = self.strategy.info
         levels = [t.name for t in config.submodel_spec().tiers]
@@ -106,8 +110,9 @@ class Engine:
         server_round = round_index + 1
         start = time.perf_counter()
         instructions = self.strategy.configure_train(server_round, self.state, self.available_clients())
-        replies = self.exchange("train", instructions)
-        result = self.strategy.aggregate_train(server_round, self.state, replies)
+        with placed(self.placement):  # clients' training and server-side training (FedGH's header)
+            replies = self.exchange("train", instructions)
+            result = self.strategy.aggregate_train(server_round, self.state, replies)
         self.state = result.state
         down = sum(_nbytes(i.arrays) for i in instructions.values())
         up = sum(_nbytes(r.arrays) for r in replies.values())
@@ -139,10 +144,11 @@ class Engine:
     def evaluate(self) -> dict[str, float]:
         """Accuracy per submodel: the method's server-side :meth:`~Strategy.evaluate`, plus its
         clients' evaluations on their own test splits where it configures any."""
-        acc = self.strategy.evaluate(self.round, self.state, self.data)
-        instructions = self.strategy.configure_evaluate(self.round, self.state, self.available_clients())
-        if instructions:
-            acc.update(self.strategy.aggregate_evaluate(self.round, self.exchange("evaluate", instructions)))
+        with placed(self.placement):
+            acc = self.strategy.evaluate(self.round, self.state, self.data)
+            instructions = self.strategy.configure_evaluate(self.round, self.state, self.available_clients())
+            if instructions:
+                acc.update(self.strategy.aggregate_evaluate(self.round, self.exchange("evaluate", instructions)))
         return acc
 
     # -- the transport: what another engine (Flower) replaces ---------------------------------
@@ -153,7 +159,12 @@ class Engine:
     def exchange(self, kind: str, instructions: dict[int, Instruction]) -> dict[int, Reply]:
         """Deliver each client its instruction and collect the replies, in instruction order:
         ``kind`` ``"train"`` runs :meth:`~Strategy.train` (with the client's persistent state),
-        ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split."""
+        ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split.
+        With ``train.parallel_clients`` > 1, clients that can train together do
+        (:func:`~nefl_zoo.fl.batched.train_clients`)."""
+        if kind == "train" and self.config.train.parallel_clients > 1:
+            return train_clients(self.strategy, instructions, self.data.client_dataset, lambda cid: self.strategy.train(
+                instructions[cid], self.data.client_dataset(cid), self.client_states.setdefault(cid, {})), self.config.train.parallel_clients)
         replies: dict[int, Reply] = {}
         for cid, instruction in instructions.items():
             if kind == "train":

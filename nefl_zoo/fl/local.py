@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Mapping
+from typing import ClassVar, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,14 @@ from torch import nn
 
 
 class LocalModel(nn.Module, abc.ABC):
-    """A client's trainable model: ``loss(x, y)`` for local training, ``state()`` to upload."""
+    """A client's trainable model: ``loss(x, y)`` for local training, ``state()`` to upload.
+
+    ``batchable``: ``loss`` is a pure function of the module's parameters, buffers and batch
+    (no RNG, no tensors held outside the module), so several clients' copies may be trained
+    together with ``torch.func`` (:mod:`.batched`).
+    """
+
+    batchable: ClassVar[bool] = False
 
     @abc.abstractmethod
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,6 +32,8 @@ class LocalModel(nn.Module, abc.ABC):
 class SubmodelLocal(LocalModel):
     """One slim submodel trained with cross-entropy (NeFL, FedAvg); its state leaves out the
     ``exclude`` keys (e.g. step sizes kept constant)."""
+
+    batchable = True
 
     def __init__(self, net: nn.Module, exclude: Iterable[str] = ()):
         super().__init__()

@@ -7,6 +7,7 @@ method reads are that method's own pydantic model (``method_args``), not fields 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -21,7 +22,12 @@ class Strict(BaseModel):
 class DataConfig(Strict):
     """Dataset, preprocessing and partition over clients."""
 
-    dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder"] = "digits"
+    dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder", "tasks"] = "digits"
+    task_datasets: list[Literal["mnist", "fashionmnist", "svhn", "cifar10"]] = Field(
+        ["mnist", "fashionmnist", "svhn", "cifar10"], min_length=1,
+        description="dataset: tasks: these datasets from root as one, labels numbered one after another (FedLPS's tasks)")
+    public_fraction: float = Field(0.0, ge=0, lt=1, description="share of the training images held out (stratified) "
+                                   "before partitioning, held by no client (FedLPS pre-trains its backbone on it)")
     root: str = Field("data", description="folder holding the dataset files (not used by digits)")
     download: bool = Field(False, description="let torchvision download the dataset (needs a network)")
     augment: bool = Field(True, description="NeFL-appendix augmentation (random crop, flip/jitter)")
@@ -78,9 +84,28 @@ class TrainConfig(Strict):
     )
     warmup_rounds: int = Field(0, ge=0, description="linear warm-up rounds (schedule: cosine)")
     grad_clip: float | None = Field(None, gt=0, description="max gradient norm, none = off")
-    weighting: Literal["clients", "samples"] = Field(
-        "clients", description="NeFedAvg weights: per client (the paper) or per sample"
+    weighting: Literal["clients", "samples"] | None = Field(
+        None, description="aggregation weights: per client (1 each) or per sample (n_k); none = the method's "
+        "own paper's (NeFL, HeteroFL, DepthFL: clients; FedAvg, FedProx, FedAvgM, FjORD: samples)"
     )
+    device: str = Field(
+        "auto",
+        description="where clients train and models are evaluated: auto (the accelerator when present), cpu, cuda, cuda:N "
+        "or mps; the global state, aggregation and checkpoints stay on the CPU",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="autocast of local training and evaluation (fp16 with a gradient scaler)"
+    )
+    parallel_clients: int = Field(
+        1, ge=1, description="clients of one submodel trained together (torch.func.vmap over stacked weights); 1: one at a time"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v):
+            raise ValueError(f"expected auto, cpu, cuda, cuda:N or mps, got {v!r}")
+        return v
 
 
 class EvalConfig(Strict):

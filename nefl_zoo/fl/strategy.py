@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping, Union
+from typing import TYPE_CHECKING, ClassVar, Mapping, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
 from .settings import EvalConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from .local import LocalModel
 
 Scalar = Union[int, float, str, bool]
 ConfigValue = Union[Scalar, list[str], list[int], list[float]]
@@ -177,6 +180,13 @@ class Strategy(abc.ABC):
     def train(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
         """Train on the client's ``data``. ``client_state`` persists between this client's
         rounds (the engine keeps and checkpoints it); mutate it in place to keep tensors."""
+
+    def local_model(self, instruction: Instruction) -> "LocalModel | None":
+        """The model :meth:`train` would fit for ``instruction`` when it does nothing else
+        (:func:`~nefl_zoo.fl.client.fit`, no client state, the reply from the fit), so an engine
+        may train several such clients together (``train.parallel_clients``); ``None`` (the
+        default): clients train only through :meth:`train`."""
+        return None
 
     def evaluate_client(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
         """Evaluate on the client's own held-out ``data`` (for :meth:`configure_evaluate`);

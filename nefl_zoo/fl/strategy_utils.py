@@ -61,14 +61,13 @@ def train_config(run: Run, server_round: int, cid: int) -> dict[str, ConfigValue
 def fit_reply(local: LocalModel, data, instruction: Instruction) -> Reply:
     """Train ``local`` on ``data`` as ``instruction`` says; the reply carries its state, sample
     count, mean loss, training accuracy and level."""
-    result = fit(local, data, instruction.config)
-    return Reply(result.state, {"accuracy": result.metrics["accuracy"]}, num_samples=result.num_samples,
-                 loss=result.metrics["loss"], level=instruction.level)
+    return fit(local, data, instruction.config).reply(instruction.level)
 
 
-def reply_weight(run: Run, reply: Reply) -> float:
-    """A reply's aggregation weight: 1 per client (the paper) or its sample count."""
-    return 1.0 if run.train.weighting == "clients" else float(reply.num_samples)
+def reply_weight(run: Run, reply: Reply, default: str = "clients") -> float:
+    """A reply's aggregation weight under ``train.weighting`` (``None``: the method's ``default``):
+    1 per client (``clients``) or the client's sample count (``samples``)."""
+    return 1.0 if (run.train.weighting or default) == "clients" else float(reply.num_samples)
 
 
 # -- resource levels and specs -----------------------------------------------------------------
@@ -90,14 +89,14 @@ def single_tier_spec(spec: SubmodelSpec, tier: TierSpec) -> SubmodelSpec:
 def single_model(run: Run, tier: TierSpec, only_allowed: bool = False) -> dict:
     """The :class:`Nested` parts of FedAvg on one ``tier`` of the run's spec, step sizes fixed
     and not sent: every sampled client trains it, or with ``only_allowed`` only the clients
-    whose environment allows it."""
+    whose environment allows it; averaged by sample counts (FedAvg's n_k / n)."""
     one = tier.model_copy(update={"learnable_steps": False})
     compiled = compile_spec(single_tier_spec(run.spec, one))
 
     def assign(levels: Sequence[str], rng: random.Random) -> str | None:
         return one.name if not only_allowed or one.name in levels else None
 
-    return {"compiled": compiled, "assign": assign, "send_steps": False}
+    return {"compiled": compiled, "assign": assign, "send_steps": False, "weighting": "samples"}
 
 
 def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:
@@ -144,14 +143,21 @@ def evaluate_treatments(run: Run, score: Callable[[str], Mapping[str, float]], p
     return out
 
 
-def mean_accuracy_per_level(replies: Mapping[int, Reply], order: Sequence[str]) -> dict[str, float]:
-    """The mean of the replies' ``accuracy`` over the clients of each level, in ``order``
+def mean_accuracy_per_level(replies: Mapping[int, Reply], order: Sequence[str], metric: str = "accuracy") -> dict[str, float]:
+    """The mean of the replies' ``metric`` over the clients of each level, in ``order``
     (replies with an error or no level are left out)."""
     by_level: dict[str, list[float]] = {}
     for reply in replies.values():
         if reply.error is None and reply.level is not None:
-            by_level.setdefault(reply.level, []).append(float(reply.metrics["accuracy"]))
+            by_level.setdefault(reply.level, []).append(float(reply.metrics[metric]))
     return {t: sum(by_level[t]) / len(by_level[t]) for t in order if t in by_level}
+
+
+def module_macs(module: nn.Module, input_size: tuple[int, ...]) -> int:
+    """Forward MACs of ``module`` per image of ``input_size`` (fvcore, :func:`~nefl_zoo.profile.count_macs`)."""
+    from ..profile import count_macs  # fvcore: imported only when counted
+
+    return count_macs(module, input_size)
 
 
 def random_level(levels: Sequence[str], rng: random.Random) -> str | None:
@@ -184,6 +190,10 @@ class Nested(Strategy):
         extra_eval: names evaluated besides the tiers, reported only as ``TREATMENT/NAME``.
         static_bn: BN statistics are not trained, so they are always recomputed at evaluation.
         send_steps: whether step sizes travel; without, they stay the spec's constants.
+        weighting: the method's own aggregation weights (``clients`` or ``samples``, its paper's),
+            used unless ``train.weighting`` says otherwise (:func:`reply_weight`).
+        train_macs: ``level -> MACs`` a client of that level spends per training image in the
+            forward passes of its local step (default: the tier's forward MACs, :meth:`client_macs`).
 
     The parts are plain callables given to the constructor (as Flower's strategies take
     ``evaluate_fn``); the class calls none of its own methods while it is set up.
@@ -195,13 +205,17 @@ class Nested(Strategy):
                  client_model: Callable[[str, Mapping[str, torch.Tensor]], LocalModel] | None = None,
                  eval_model: Callable[[Mapping[str, torch.Tensor], str, object], nn.Module] | None = None,
                  init: Callable[[], State] | None = None, extra_eval: Sequence[str] = (),
-                 static_bn: bool = False, send_steps: bool = True):
+                 static_bn: bool = False, send_steps: bool = True, weighting: str = "clients",
+                 train_macs: Callable[[str], float] | None = None):
         super().__init__(run, settings)
         levels = compile_spec(run.spec) if compiled is None or compiled.spec is not run.spec else compiled
         #: elements of each resource level (the run spec's tiers), in spec order
         self.level_size = level_sizes(levels)
         self.compiled: CompiledSpec = compiled or levels
         self.send_steps, self.static_bn, self.extra_eval = send_steps, static_bn, tuple(extra_eval)
+        #: the method's own aggregation weights (``train.weighting`` overrides them)
+        self.weighting = weighting
+        self._train_macs = train_macs
         self.assign = assign
         self.entries = entries or self._tier_entries
         self.client_model = client_model or (lambda tier, arrays: SubmodelLocal(self.submodel(tier, arrays), exclude=self._steps(tier)))
@@ -226,6 +240,16 @@ class Nested(Strategy):
         net = self.compiled[tier].build()
         load_entries(net, arrays, unused=self._steps(tier))
         return net
+
+    def client_macs(self, level: str) -> float:
+        """Forward MACs a client of ``level`` spends per training image (fvcore counts; one
+        multiply-add = 1): the method's ``train_macs``, by default the tier's slim module's."""
+        if self._train_macs is not None:
+            return self._train_macs(level)
+        from ..profile import macs_signature, tier_macs  # fvcore: imported only when counted
+
+        tier = self.compiled[level]
+        return tier_macs(macs_signature(self.compiled.spec, tier.tier, self.compiled.input_size), tier.build)  # cached per signature
 
     # -- server hooks -----------------------------------------------------------------------
     def init_global_state(self) -> State:
@@ -257,7 +281,7 @@ class Nested(Strategy):
                 log.warning("client %s: reply rejected: %s", cid, reason)
                 rejected.append((cid, reason))
                 continue
-            updates.append(Update(self.entries(reply.level), reply.arrays, reply_weight(self.run, reply), cid))
+            updates.append(Update(self.entries(reply.level), reply.arrays, reply_weight(self.run, reply, self.weighting), cid))
         state, invalid = nefedavg(global_state, updates)
         return Aggregate(state, len(updates) - len(invalid), rejected + invalid)
 
@@ -290,6 +314,9 @@ class Nested(Strategy):
         return mean_accuracy_per_level(replies, list(self.compiled.tiers))
 
     # -- client hooks -----------------------------------------------------------------------
+    def local_model(self, instruction: Instruction) -> LocalModel:
+        return self.client_model(instruction.level, instruction.arrays)
+
     def train(self, instruction: Instruction, data, client_state: State) -> Reply:
         return fit_reply(self.client_model(instruction.level, instruction.arrays), data, instruction)
 

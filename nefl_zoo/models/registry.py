@@ -7,6 +7,7 @@ the constructor runs (:func:`check_model_args`)."""
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,12 +58,20 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def is_model(name: str) -> bool:
-    """Whether ``name`` is a registered model."""
-    return name in _MODELS
+    """Whether ``name`` is a registered model, or ``torchvision:NAME`` / ``timm:NAME`` of an
+    existing model (nested automatically, :mod:`nefl_zoo.nest`)."""
+    return name in _MODELS or (":" in name and _nest().exists(name))
+
+
+def _nest():
+    """:mod:`nefl_zoo.nest.sources`, imported by name (it depends on this module)."""
+    return importlib.import_module("nefl_zoo.nest.sources")
 
 
 def model_info(name: str) -> ModelInfo:
-    """Registry metadata of a model."""
+    """Registry metadata of a model (``torchvision:NAME`` / ``timm:NAME``: built on demand)."""
+    if name not in _MODELS and ":" in name:
+        return importlib.import_module("nefl_zoo.nest.net").model_info(name)
     if name not in _MODELS:
         raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(list_models())}")
     return _MODELS[name]

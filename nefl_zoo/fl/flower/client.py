@@ -10,9 +10,11 @@ partition ``partition-id`` of the run's data, and each ``evaluate`` message its
 Per-client state (FedGH's extractor, FedLPS's masks) comes with each message and a ``train``
 reply returns it updated: the server keeps and checkpoints it, the node keeps none.
 
-Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this node) and
-``threads`` (torch CPU threads; results are bit-identical to the embedded engine's only with the
-same thread count). The method and its data are built once per process and configuration.
+Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this node),
+``device`` (the config's ``train.device`` on this node, e.g. ``cpu`` on a node without the
+server's GPU) and ``threads`` (torch CPU threads; results are bit-identical to the embedded
+engine's only with the same thread count and device). The hooks compute on the run's
+``train.device`` and ``train.precision`` (:mod:`~nefl_zoo.fl.device`). The method and its data are built once per process and configuration.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flwr.common.constant import ErrorCode
 
 from ..config import parse_config
 from ..data import FederatedData, load_data
+from ..device import Placement, placed
 from ..strategy import Strategy
 from .nodes import NODE, NODE_KEYS, SETUP
 from .records import read_instruction, reply_content
@@ -37,13 +40,16 @@ app = ClientApp()
 
 
 @functools.lru_cache(maxsize=2)
-def _method(config_json: str, data_root: str) -> tuple[Strategy, FederatedData]:
+def _method(config_json: str, data_root: str, device: str) -> tuple[Strategy, FederatedData, Placement]:
     data = json.loads(config_json)
     if data_root:
         data["data"]["root"] = data_root
+    if device:
+        data["train"]["device"] = device
     config = parse_config(data, "the run configuration from the server")
     strategy = config.build_strategy()
-    return strategy, load_data(config.data, config.data_root(), strategy.info.input_size, config.clients.num_clients, config.seed)
+    data = load_data(config.data, config.data_root(), strategy.info.input_size, config.clients.num_clients, config.seed)
+    return strategy, data, config.placement()
 
 
 @app.query()
@@ -76,12 +82,14 @@ def _serve(kind: str, message: Message, context: Context) -> Message:
     runs = context.state.config_records.get(RUNS) or {}
     if run not in runs:
         raise RuntimeError(f"this node was not set up for run {run} (no setup message reached it)")
-    strategy, data = _method(str(runs[run]), str(context.node_config.get("data-root", "")))
-    partition = int(context.node_config["partition-id"])
-    if kind == "train":
-        reply = strategy.train(instruction, data.client_dataset(partition), client_state)
-    else:
-        reply = strategy.evaluate_client(instruction, data.client_test(partition), client_state)
+    node = context.node_config
+    strategy, data, where = _method(str(runs[run]), str(node.get("data-root", "")), str(node.get("device", "")))
+    partition = int(node["partition-id"])
+    with placed(where):
+        if kind == "train":
+            reply = strategy.train(instruction, data.client_dataset(partition), client_state)
+        else:
+            reply = strategy.evaluate_client(instruction, data.client_test(partition), client_state)
     if reply.error is not None:
         return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reply.error), reply_to=message)
     return Message(reply_content(reply, client_state if kind == "train" else None), reply_to=message)

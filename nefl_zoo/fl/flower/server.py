@@ -18,6 +18,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from ..config import RunConfig, apply_overrides, load_config, parse_config
+from ..device import gpu_share
 from ..engine import RunObserver, RunResult, resume_config
 from .client import app as client_app
 from .engine import FlowerEngine
@@ -46,8 +47,10 @@ def simulate_runs(runs: Sequence[SimulatedRun], *, threads: int | None = None, c
     Ray): one virtual SuperNode per client, ``partition-id`` = client id.
 
     Each client gets ``threads`` CPUs (default: torch's thread count here) of ``cpus`` (default:
-    every core of this process), so ``cpus // threads`` clients train in parallel. All runs must
-    have the same ``clients.num_clients``. Flower's and Ray's logs are shown only when ``verbose``.
+    every core of this process), so ``cpus // threads`` clients train in parallel; where
+    ``train.device`` is CUDA they share the GPUs (:func:`~nefl_zoo.fl.device.gpu_share`; Ray then shows each client
+    its share as ``cuda``, so give ``cuda`` or ``auto``, not ``cuda:N``). All runs must have the
+    same ``clients.num_clients``. Flower's and Ray's logs are shown only when ``verbose``.
     """
     import torch
     from flwr.simulation import run_simulation
@@ -57,7 +60,9 @@ def simulate_runs(runs: Sequence[SimulatedRun], *, threads: int | None = None, c
         raise ValueError(f"the runs of one simulation need the same clients.num_clients, got {sorted(sizes)}")
     cpus = cpus or _cpus()
     per_client = max(1, min(threads or torch.get_num_threads(), cpus))
-    backend = {"client_resources": {"num_cpus": per_client, "num_gpus": 0.0},
+    device = max((r.config.placement().device for r in runs), key=lambda d: d.type == "cuda")
+    gpus = gpu_share(device.type, torch.cuda.device_count() if device.type == "cuda" else 0, cpus // per_client)
+    backend = {"client_resources": {"num_cpus": per_client, "num_gpus": gpus},
                "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": verbose,
                              "logging_level": logging.INFO if verbose else logging.ERROR}}
     results: list[RunResult] = []

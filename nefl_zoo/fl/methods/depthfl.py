@@ -1,29 +1,37 @@
-"""DepthFL as the NeFL paper's baseline (appendix "Baselines"): contiguous depth prefixes at the
-run's parameter ratios, an exit classifier per prefix, BN decoupled per submodel and mutual
-self-distillation among the exits a client trains.
+"""DepthFL in two variants (``method_args.variant``).
 
-Submodel ``t`` keeps the first ``prefix[t]`` residual blocks of the full architecture (block
-granularity, in stage order: NeFL-D with the trailing blocks skipped, step sizes fixed at 1);
-the projection shortcuts of the skipped stages' first blocks stay as the downsampling layers
-that bring its features to the classifier's input size. Each submodel has its own exit
-classifier, stored in the global state as ``exits.{i}.weight/bias`` (``i``: the submodel's
-position; consistent, so averaged over the clients holding it), and its own BatchNorm
-(``inconsistent: [norm]``). The model's own classifier is not used.
+``original`` (Kim et al., ICLR 2023): submodel ``t`` keeps the contiguous depth prefix of the
+full model (block granularity, in stage order) whose parameter ratio is nearest the tier's
+``gamma``; every submodel has an exit: a bottleneck of depthwise-separable convolutions (one per
+stage the prefix does not reach, to the last stage's channels and resolution) and a linear
+classifier, stored in the global state as ``exits.{i}.*`` (``i``: the submodel's position). A
+client trains every exit up to its submodel with cross-entropy plus mutual self-distillation whose
+weight ramps up as ``exp(-5 (1 - t/R)^2)``, and with FedDyn's regulariser (:mod:`..feddyn`); BN
+and every tensor are shared (averaged over the clients holding them, 1 each).
+
+``nefl`` (the NeFL paper's baseline, its footnote on depthwise scaling and the authors' code):
+the blocks each tier of a NeFL-D spec keeps (non-contiguous), step sizes fixed at 1, one shared
+classifier and BN, plain cross-entropy, no exits and no distillation.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from typing import Literal, Mapping
+
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
 from ...spec import SubmodelSpec, TierSpec, stage_depths
+from ..feddyn import FedDynLocal, client_update, server_update
 from ..local import LocalModel, load_entries
 from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, level_sizes
+from ..strategy import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
+from ..strategy_utils import Nested, fit_reply, level_sizes, module_macs
 
 EXIT_PREFIX = "exits"
 ENSEMBLE = "ensemble"
@@ -71,27 +79,48 @@ def mutual_distillation(logits: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def kd_weight(server_round: int, rounds: int, rampup: float) -> float:
+    """DepthFL's distillation weight in round ``server_round`` (1-based) of ``rounds``:
+    ``exp(-5 (1 - t/R)^2)`` with ``t = min(round - 1, R)`` and ``R = max(1, round(rampup * rounds))``
+    (the authors' code ramps over 300 of its 1000 rounds: ``rampup`` 0.3)."""
+    span = max(1, round(rampup * rounds))
+    return math.exp(-5.0 * (1.0 - min(server_round - 1, span) / span) ** 2)
+
+
+class SepConv(nn.Sequential):
+    """DepthFL's bottleneck unit: depthwise 3x3 (``stride``), pointwise, BN, ReLU, depthwise 3x3,
+    pointwise to ``c_out``, BN, ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__(nn.Conv2d(c_in, c_in, 3, stride, 1, groups=c_in, bias=False), nn.Conv2d(c_in, c_in, 1, bias=False),
+                         nn.BatchNorm2d(c_in), nn.ReLU(), nn.Conv2d(c_in, c_in, 3, 1, 1, groups=c_in, bias=False),
+                         nn.Conv2d(c_in, c_out, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class Exit(nn.Module):
+    """One exit: ``bottleneck`` (a :class:`SepConv` per ``(c_in, c_out, stride)`` of the stages its
+    prefix does not reach; none for a prefix ending in the last stage), then the model's pooling
+    and the linear classifier ``fc``."""
+
+    def __init__(self, stages: list[tuple[int, int, int]], num_features: int, num_classes: int):
+        super().__init__()
+        self.bottleneck = nn.Sequential(*(SepConv(*s) for s in stages))
+        self.fc = nn.Linear(num_features, num_classes)
+
+
 class _ExitsNet(LocalModel):
     """One submodel's slim network with the exits of every submodel whose prefix it contains.
 
     ``bounds[i]`` is exit ``i``'s prefix (blocks of the full architecture); exit ``i`` reads the
-    features after those blocks, brings them to the classifier's input through the next stages'
-    projection shortcuts (ReLU after each, as in a skipped block), pools and classifies.
+    features after those blocks through its bottleneck. The loss is cross-entropy at every exit
+    plus ``kd_weight`` times :func:`mutual_distillation`.
     """
 
-    def __init__(self, net: nn.Module, exits: nn.ModuleDict, bounds: list[int], depths: list[int], held: set[str], kd: bool):
+    def __init__(self, net: nn.Module, exits: nn.ModuleDict, bounds: list[int], depths: list[int], held: set[str], kd_weight: float):
         super().__init__()
-        self.net, self.exits, self.bounds, self.held, self.kd = net, exits, bounds, held, kd
+        self.net, self.exits, self.bounds, self.held, self.kd_weight = net, exits, bounds, held, kd_weight
         starts = [sum(depths[:s]) for s in range(len(depths))]
         self.trunk = [(starts[s] + j, block) for s, j, block in net.residual_blocks() if starts[s] + j < bounds[-1]]
-        self.firsts = {s: block for s, j, block in net.residual_blocks() if j == 0}
-        self.starts = starts
-
-    def _downsample(self, x: torch.Tensor, blocks: int) -> torch.Tensor:
-        for s, start in enumerate(self.starts):
-            if start >= blocks and getattr(self.firsts.get(s), "downsample", None) is not None:
-                x = F.relu(self.firsts[s].downsample(x))
-        return x
 
     def all_logits(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The logits of every exit, shallowest first."""
@@ -101,7 +130,7 @@ class _ExitsNet(LocalModel):
             while t < len(self.trunk) and self.trunk[t][0] < bound:
                 x = self.trunk[t][1](x)
                 t += 1
-            out.append(head(self.net.forward_head(self.net.forward_norm(self._downsample(x, bound)), pre_logits=True)))
+            out.append(head.fc(self.net.forward_head(self.net.forward_norm(head.bottleneck(x)), pre_logits=True)))
         return out
 
     def forward(self, x):
@@ -110,9 +139,15 @@ class _ExitsNet(LocalModel):
     def loss(self, x, y):
         logits = self.all_logits(x)
         loss = sum(F.cross_entropy(z, y) for z in logits)
-        if self.kd:
-            loss = loss + mutual_distillation(logits)
+        if self.kd_weight:
+            loss = loss + self.kd_weight * mutual_distillation(logits)
         return loss, logits[-1]
+
+    def state_parameters(self) -> dict[str, nn.Parameter]:
+        """The trainable parameters by their key in :meth:`state`."""
+        out = {k: p for k, p in self.net.named_parameters() if k in self.held}
+        out.update({f"{EXIT_PREFIX}.{k}": p for k, p in self.exits.named_parameters()})
+        return out
 
     def state(self):
         out = {k: v.detach().clone() for k, v in self.net.state_dict().items() if k in self.held}
@@ -134,16 +169,55 @@ class _Ensemble(nn.Module):
 class DepthFLSettings(MethodSettings):
     """``method_args`` of ``depthfl``."""
 
-    kd: bool = Field(True, description="mutual self-distillation among a client's exits")
+    variant: Literal["original", "nefl"] = Field(
+        "original", description="original: DepthFL's paper (exits with bottlenecks, mutual distillation, FedDyn); "
+        "nefl: the NeFL paper's baseline (a NeFL-D spec's blocks, one shared classifier and BN, cross-entropy)")
+    kd: bool | None = Field(None, description="mutual self-distillation among a client's exits (none: on for "
+                            "variant original; nefl has no exits)")
+    kd_rampup: float = Field(0.3, gt=0, le=1, description="share of the rounds over which the distillation weight ramps "
+                             "up as exp(-5 (1 - t/R)^2) (the authors' code: 300 of 1000 rounds)")
+    feddyn: bool | None = Field(None, description="FedDyn's regulariser and server update (none: on for variant "
+                                "original, DepthFL's default; off for nefl)")
+    feddyn_alpha: float = Field(0.1, gt=0, description="FedDyn's alpha (the authors' 0.1)")
+
+    @model_validator(mode="after")
+    def _variant(self) -> "DepthFLSettings":
+        for name in ("kd", "feddyn"):
+            if self.variant == "nefl" and getattr(self, name):
+                raise ValueError(f"{name}: variant nefl (the NeFL paper's DepthFL) has neither exits nor FedDyn")
+        return self
+
+    @property
+    def distil(self) -> bool:
+        """Whether clients distil between exits (``kd``, or the variant's default)."""
+        return self.kd if self.kd is not None else self.variant == "original"
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether FedDyn is on (``feddyn``, or the variant's default)."""
+        return self.feddyn if self.feddyn is not None else self.variant == "original"
+
+
+def nefl_depth_spec(spec: SubmodelSpec) -> SubmodelSpec:
+    """The NeFL paper's DepthFL on ``spec``'s tiers: the blocks each tier keeps (non-contiguous, as a
+    NeFL-D spec skips them) with step sizes fixed at 1, and nothing per tier (one shared classifier
+    and BN, as the NeFL authors' code). One-line ``ValueError`` for a tier that narrows widths."""
+    for t in spec.tiers:
+        if t.gamma_w != 1:
+            raise ValueError(f"depthfl variant nefl takes the blocks of a depth-only (NeFL-D) spec; tier {t.name} has "
+                             f"gamma_w {t.gamma_w} (use a NeFL-D spec, e.g. resnet20/nefl-d)")
+    tiers = [t.model_copy(update={"learnable_steps": False,
+                                  "steps": None if t.steps is None else [[1.0 if v else 0.0 for v in stage] for stage in t.steps]})
+             for t in spec.tiers]
+    return spec.model_copy(update={"tiers": tiers, "inconsistent": []})
 
 
 class Prefixes:
     """DepthFL's submodels: per tier of the run's spec, the contiguous depth prefix whose
     parameter ratio is nearest the tier's ``gamma`` (its measured ratio without one; ties: the
-    shallower), as a compiled spec with BN per tier, and the exits every prefix holds."""
+    shallower), as a compiled spec with nothing per tier, and the exits every prefix holds."""
 
-    def __init__(self, spec: SubmodelSpec, kd: bool):
-        self.kd = kd
+    def __init__(self, spec: SubmodelSpec):
         self.depths = list(stage_depths(spec.model, tuple(sorted(spec.model_args.items()))))
         sizes = level_sizes(compile_spec(spec))
         ratios = prefix_ratios(spec)
@@ -155,19 +229,32 @@ class Prefixes:
         }
         tiers = [TierSpec(name=t.name, gamma=t.gamma, steps=prefix_steps(self.depths, self.bounds[t.name]), learnable_steps=False)
                  for t in spec.tiers]
-        self.compiled: CompiledSpec = compile_spec(SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=["norm"]))
+        self.compiled: CompiledSpec = compile_spec(SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=[]))
         with torch.device("meta"):
             net = self.compiled.create_global_model()
             features = net.forward_intermediates(torch.empty(2, *self.compiled.input_size), intermediates_only=True)
         if any(f.ndim != 4 for f in features):
             raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {spec.model}")
+        info = net.feature_info
+        #: per stage (c_in, c_out, stride) of the bottleneck unit that stands in for it
+        self.stage_units = [(info[s - 1]["num_chs"], info[s]["num_chs"], info[s]["reduction"] // info[s - 1]["reduction"]) if s else None
+                            for s in range(len(info))]
         self.names = list(self.compiled.tiers)
         self.exit_index = {t: i for i, t in enumerate(self.names)}
         self.held = {t: self._held(t) for t in self.names}
 
+    def _exit(self, tier: str) -> Exit:
+        """A fresh exit of ``tier``: a bottleneck unit per stage after the one its prefix ends in."""
+        bound, start, last = self.bounds[tier], 0, 0
+        for s, n in enumerate(self.depths):
+            if start < bound:
+                last = s
+            start += n
+        return Exit(self.stage_units[last + 1:], self.compiled.num_features, self.compiled.num_classes)
+
     def _exits(self, tiers: list[str]) -> nn.ModuleDict:
-        """Fresh exit classifiers of ``tiers``, keyed by their global index."""
-        return nn.ModuleDict({str(self.exit_index[t]): nn.Linear(self.compiled.num_features, self.compiled.num_classes) for t in tiers})
+        """Fresh exits of ``tiers``, keyed by their global index."""
+        return nn.ModuleDict({str(self.exit_index[t]): self._exit(t) for t in tiers})
 
     def exits_of(self, tier: str) -> list[str]:
         """The submodels whose exits a client of ``tier`` trains (every one whose prefix ``tier``
@@ -176,12 +263,19 @@ class Prefixes:
         return sorted((t for t in self.names if rank[t] <= rank[tier]), key=rank.__getitem__)
 
     def _held(self, tier: str) -> dict[str, SliceEntry]:
-        classifier = f"{self.compiled.classifier}."
-        out = {k: e for k, e in self.compiled[tier].slice_map.items() if not k.startswith(classifier)}
-        for i in (self.exit_index[t] for t in self.exits_of(tier)):
-            for name, shape in (("weight", (self.compiled.num_classes, self.compiled.num_features)), ("bias", (self.compiled.num_classes,))):
-                key = f"{EXIT_PREFIX}.{i}.{name}"
-                out[key] = SliceEntry(key, (), shape, "weight", True)
+        """The tier's tensors but its classifier and the projections of blocks past its prefix,
+        and its exits."""
+        with torch.device("meta"):
+            net = self.compiled[tier].build()
+            exits = self._exits(self.exits_of(tier))
+        names = {id(m): n for n, m in net.named_modules()}
+        starts = [sum(self.depths[:s]) for s in range(len(self.depths))]
+        unused = [f"{names[id(block)]}." for s, j, block in net.residual_blocks() if starts[s] + j >= self.bounds[tier]]
+        unused.append(f"{self.compiled.classifier}.")
+        out = {k: e for k, e in self.compiled[tier].slice_map.items() if not k.startswith(tuple(unused))}
+        for k, v in exits.state_dict().items():
+            key = f"{EXIT_PREFIX}.{k}"
+            out[key] = SliceEntry(key, (), tuple(v.shape), "weight", True)
         return out
 
     def init_global_state(self) -> dict[str, torch.Tensor]:
@@ -190,17 +284,18 @@ class Prefixes:
         state.update({f"{EXIT_PREFIX}.{k}": v for k, v in self._exits(self.names).state_dict().items()})
         return state
 
-    def model(self, tier: str, arrays) -> _ExitsNet:
-        """``tier``'s slim network with its exits, carrying ``arrays`` (its held tensors)."""
+    def model(self, tier: str, arrays: Mapping[str, torch.Tensor] | None, weight: float = 0.0) -> _ExitsNet:
+        """``tier``'s slim network with its exits, carrying ``arrays`` (its held tensors; none: as
+        initialised), distilling with ``weight``."""
         net = self.compiled[tier].build()
-        prefix = f"{EXIT_PREFIX}."
-        unused = [k for k in self.compiled[tier].slice_map if k not in self.held[tier]]
-        load_entries(net, {k: v for k, v in arrays.items() if not k.startswith(prefix)}, unused)
         names = self.exits_of(tier)
         exits = self._exits(names)
-        exits.load_state_dict({k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)})
-        bounds = [self.bounds[t] for t in names]
-        return _ExitsNet(net, exits, bounds, self.depths, set(self.held[tier]), self.kd)
+        if arrays is not None:
+            prefix = f"{EXIT_PREFIX}."
+            unused = [k for k in self.compiled[tier].slice_map if k not in self.held[tier]]
+            load_entries(net, {k: v for k, v in arrays.items() if not k.startswith(prefix)}, unused)
+            exits.load_state_dict({k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)})
+        return _ExitsNet(net, exits, [self.bounds[t] for t in names], self.depths, set(self.held[tier]), weight)
 
     def eval_model(self, global_state, name: str, data) -> nn.Module:
         """A submodel at its own exit; ``ensemble``: the deepest submodel's exits' mean softmax."""
@@ -211,16 +306,60 @@ class Prefixes:
 
 @register_method("depthfl", label="DepthFL", settings=DepthFLSettings)
 class DepthFL(Nested):
-    """DepthFL (Kim et al.) as the NeFL paper's baseline: submodel ``t`` of the run's spec is the
+    """DepthFL (Kim et al.), variant ``original``: submodel ``t`` of the run's spec is the
     contiguous depth prefix whose parameter ratio is nearest ``t``'s ``gamma`` (its measured ratio
-    without one; ties: the shallower), with its own exit classifier and BN. A client picks its
-    submodel like NeFL's and trains the exits of every submodel up to it, with cross-entropy at
-    every exit plus mutual distillation. Evaluated: every submodel at its own exit, and
-    ``ensemble`` (the full submodel's exits' mean softmax)."""
+    without one; ties: the shallower), with an exit (bottleneck and classifier) per submodel. A
+    client picks its submodel like NeFL's and trains the exits of every submodel up to it with
+    cross-entropy plus ramped-up mutual distillation and FedDyn. Evaluated: every submodel at its
+    own exit, and ``ensemble`` (the full submodel's exits' mean softmax). Variant ``nefl``: the
+    NeFL paper's DepthFL on a NeFL-D spec (one classifier, cross-entropy, shared BN)."""
 
     def __init__(self, run: Run, settings: DepthFLSettings | None = None):
         settings = settings if settings is not None else DepthFLSettings()
+        self.h: State = {}
+        self.num_clients = 0
+        if settings.variant == "nefl":
+            super().__init__(run, settings, compiled=compile_spec(nefl_depth_spec(run.spec)), send_steps=False)
+            return
         #: the prefixes, their exits and what each holds
-        self.prefixes = prefixes = Prefixes(run.spec, settings.kd)
+        self.prefixes = prefixes = Prefixes(run.spec)
         super().__init__(run, settings, compiled=prefixes.compiled, entries=prefixes.held.__getitem__, client_model=prefixes.model,
-                         eval_model=prefixes.eval_model, init=prefixes.init_global_state, extra_eval=[ENSEMBLE])
+                         eval_model=prefixes.eval_model, init=prefixes.init_global_state, extra_eval=[ENSEMBLE],
+                         train_macs=lambda tier: module_macs(prefixes.model(tier, None), prefixes.compiled.input_size))
+
+    def configure_train(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        self.num_clients = len(clients)  # FedDyn's M
+        return super().configure_train(server_round, global_state, clients)
+
+    def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
+        """The average (1 per client); with FedDyn, moved by the server's ``h`` (:func:`~..feddyn.server_update`)."""
+        result = super().aggregate_train(server_round, global_state, replies)
+        if self.settings.variant == "nefl" or not self.settings.dynamic:
+            return result
+        bad = {cid for cid, _ in result.rejected}
+        holders = Counter(e.global_key for cid, r in replies.items() if cid not in bad for e in self.entries(r.level).values())
+        state = server_update(self.h, global_state, result.state, holders, max(self.num_clients, 1), self.settings.feddyn_alpha)
+        return Aggregate(state, result.accepted, result.rejected)
+
+    def local_model(self, instruction: Instruction) -> LocalModel | None:
+        """The nefl variant's plain submodel; none for the original, whose step also takes the
+        round's distillation weight and FedDyn's client state (:meth:`train`)."""
+        return super().local_model(instruction) if self.settings.variant == "nefl" else None
+
+    def train(self, instruction: Instruction, data, client_state: State) -> Reply:
+        if self.settings.variant == "nefl":
+            return super().train(instruction, data, client_state)
+        weight = kd_weight(int(instruction.config["round"]), self.run.rounds, self.settings.kd_rampup) if self.settings.distil else 0.0
+        model = self.prefixes.model(instruction.level, instruction.arrays, weight)
+        if not self.settings.dynamic:
+            return fit_reply(model, data, instruction)
+        alpha = self.settings.feddyn_alpha
+        reply = fit_reply(FedDynLocal(model, model.state_parameters(), client_state, alpha), data, instruction)
+        client_update(client_state, instruction.arrays, reply.arrays, alpha)  # the client's linear term, kept between rounds
+        return reply
+
+    def server_state(self) -> State:
+        return dict(self.h)
+
+    def load_server_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.h = dict(state)

@@ -23,7 +23,7 @@ class FedAvgMSettings(MethodSettings):
 @register_method("fedavgm", label="FedAvgM", settings=FedAvgMSettings)
 class FedAvgM(Nested):
     """FedAvgM: every sampled client trains the full model as in ``fedavg``; the server averages
-    the replies (weighted per ``train.weighting``) into w_avg, takes the pseudo-gradient
+    the replies (by sample counts unless ``train.weighting`` says otherwise) into w_avg, takes the pseudo-gradient
     d = w - w_avg, keeps the momentum v = beta * v + d (v = d in the first round) and moves
     w <- w - eta * v. BN running statistics are averaged, not moved. The momentum is server state:
     checkpointed, so a resumed run is bit-identical."""

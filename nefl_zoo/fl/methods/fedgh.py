@@ -7,9 +7,11 @@ per-client state: it never leaves the client. A round: the client replaces its h
 the global one, trains extractor and header locally, then uploads per class it holds the mean
 representation of its training samples (LAR) and the class label. The server trains the global
 header on the LARs with its own SGD (one step per LAR in client order, the paper's default, or
-one mini-batch per client) and sends it out. Evaluation is personalised: every client's
-extractor with the global header on the client's own held-out test split
-(``data.local_split``), averaged over the clients of each extractor type.
+one mini-batch per client) and sends it out. Evaluation is the authors': every client's locally
+trained model (its extractor and the header it trained locally, kept as client state) on the
+client's own held-out test split (``data.local_split``), averaged over the clients of each
+extractor type; the client's extractor with the current global header is reported too, as
+``global_header/TIER``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ...slim import CompiledSpec, compile_spec
+from ..batches import ordered_batches
 from ..client import evaluate, learning_rate
+from ..device import placement
 from ..local import LocalModel
 from ..registry import register_method
 from ..strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
 from ..strategy_utils import fit_reply, largest, level_sizes, mean_accuracy_per_level, sample_clients, train_config
 
 HEADER = ("header.weight", "header.bias")
+GLOBAL_HEADER = "global_header"
 
 
 class FedGHSettings(MethodSettings):
@@ -98,7 +102,7 @@ class FedGH(Strategy):
             torch.manual_seed(int(np.random.SeedSequence([self.run.seed, cid]).generate_state(1)[0]))
             extractor = Extractor(self.compiled[tier].build(), self.settings.rep_dim)
         if client_state:
-            extractor.load_state_dict(client_state)
+            extractor.load_state_dict({k: v for k, v in client_state.items() if k not in HEADER})
         return extractor
 
     def header(self, arrays: Mapping[str, torch.Tensor]) -> nn.Linear:
@@ -133,7 +137,8 @@ class FedGH(Strategy):
         return None
 
     def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
-        header = self.header(global_state)
+        device = placement().device  # the header trains where the clients do; the state stays on the CPU
+        header = self.header(global_state).to(device)
         lr = self.settings.server_lr or learning_rate(self.run.train, server_round - 1, self.run.rounds)
         optimizer = torch.optim.SGD(header.parameters(), lr=lr)
         accepted, rejected = 0, []
@@ -142,7 +147,7 @@ class FedGH(Strategy):
             if reason is not None:
                 rejected.append((cid, reason))
                 continue
-            lar, classes = reply.arrays["lar"], reply.arrays["lar_classes"]
+            lar, classes = reply.arrays["lar"].to(device), reply.arrays["lar_classes"].to(device)
             batches = [(lar[i : i + 1], classes[i : i + 1]) for i in range(len(classes))] if self.settings.server_batch == "lar" else [(lar, classes)]
             for x, y in batches:
                 optimizer.zero_grad(set_to_none=True)
@@ -150,7 +155,7 @@ class FedGH(Strategy):
                 optimizer.step()
             accepted += 1
         state = dict(global_state)
-        state.update({f"header.{k}": v.detach().clone() for k, v in header.state_dict().items()})
+        state.update({f"header.{k}": v.detach().cpu().clone() for k, v in header.state_dict().items()})
         return Aggregate(state, accepted, rejected)
 
     def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
@@ -160,22 +165,32 @@ class FedGH(Strategy):
         return {c.cid: self._instruction(server_round, global_state, c) for c in clients}
 
     def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
-        return mean_accuracy_per_level(replies, self.info.levels)
+        """Per extractor type, the mean accuracy of the clients' own models, and (``global_header/TIER``)
+        of their extractors with the global header."""
+        out = mean_accuracy_per_level(replies, self.info.levels)
+        out.update({f"{GLOBAL_HEADER}/{t}": a for t, a in mean_accuracy_per_level(replies, self.info.levels, "accuracy_global").items()})
+        return out
 
     # -- client hooks ---------------------------------------------------------------------
     def train(self, instruction: Instruction, data, client_state: State) -> Reply:
         model = _PersonalModel(self.extractor(instruction.level, int(instruction.config["client"]), client_state), self.header(instruction.arrays))
         reply = fit_reply(model, data, instruction)
         client_state.clear()
-        client_state.update(reply.arrays)  # the extractor stays on the client
+        client_state.update(reply.arrays)  # the extractor stays on the client ...
+        client_state.update({f"header.{k}": v.detach().clone() for k, v in model.header.state_dict().items()})  # ... with its local header
         lar, classes = local_averaged_representations(model.extractor, data, int(instruction.config["seed"]), int(instruction.config["batch_size"]))
         reply.arrays = {"lar": lar, "lar_classes": classes}
         return reply
 
     def evaluate_client(self, instruction: Instruction, data, client_state: State) -> Reply:
-        model = _PersonalModel(self.extractor(instruction.level, int(instruction.config["client"]), client_state), self.header(instruction.arrays))
-        accuracy = evaluate(model, data, self.run.eval.batch_size)
-        return Reply({}, {"accuracy": accuracy}, num_samples=len(data), level=instruction.level)
+        """The client's locally trained model (its extractor and local header; a client that never
+        trained: its initial extractor and the global header) as ``accuracy``, and its extractor
+        with the global header as ``accuracy_global``."""
+        extractor = self.extractor(instruction.level, int(instruction.config["client"]), client_state)
+        local = self.header(client_state if HEADER[0] in client_state else instruction.arrays)
+        accuracy = evaluate(_PersonalModel(extractor, local), data, self.run.eval.batch_size)
+        accuracy_global = evaluate(_PersonalModel(extractor, self.header(instruction.arrays)), data, self.run.eval.batch_size)
+        return Reply({}, {"accuracy": accuracy, "accuracy_global": accuracy_global}, num_samples=len(data), level=instruction.level)
 
 
 @torch.no_grad()
@@ -187,12 +202,12 @@ def local_averaged_representations(extractor: nn.Module, data, seed: int, batch_
     counts: dict[int, int] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for x, y in DataLoader(data, batch_size=batch_size):
+        for x, y in ordered_batches(data, batch_size, placement().device):
             reps = extractor(x)
             for label in y.unique().tolist():
                 mask = y == label
                 sums[label] = sums.get(label, 0) + reps[mask].sum(0)
                 counts[label] = counts.get(label, 0) + int(mask.sum())
     classes = sorted(sums)
-    lar = torch.stack([sums[c] / counts[c] for c in classes])
+    lar = torch.stack([sums[c] / counts[c] for c in classes]).cpu()
     return lar, torch.tensor(classes, dtype=torch.int64)

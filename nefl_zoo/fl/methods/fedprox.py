@@ -24,14 +24,16 @@ class ProximalLocal(LocalModel):
     def __init__(self, base: LocalModel, mu: float):
         super().__init__()
         self.base, self.mu = base, mu
-        self.anchor = [(p, p.detach().clone()) for p in base.parameters() if p.requires_grad]
+        self.trained = [p for p in base.parameters() if p.requires_grad]
+        for i, p in enumerate(self.trained):  # buffers, so they move with the model to the training device
+            self.register_buffer(f"anchor{i}", p.detach().clone(), persistent=False)
 
     def forward(self, x):
         return self.base(x)
 
     def loss(self, x, y):
         loss, logits = self.base.loss(x, y)
-        proximal = sum(((p - p0) ** 2).sum() for p, p0 in self.anchor)
+        proximal = sum(((p - getattr(self, f"anchor{i}")) ** 2).sum() for i, p in enumerate(self.trained))
         return loss + self.mu / 2 * proximal, logits
 
     def state(self):
@@ -40,10 +42,11 @@ class ProximalLocal(LocalModel):
 
 @register_method("fedprox", label="FedProx", settings=FedProxSettings)
 class FedProx(Nested):
-    """NeFL whose clients minimise their loss plus the proximal term (``method_args.mu``)."""
+    """NeFL whose clients minimise their loss plus the proximal term (``method_args.mu``);
+    replies are averaged by sample counts, as in FedProx (``train.weighting`` overrides)."""
 
     def __init__(self, run: Run, settings: FedProxSettings | None = None):
         def client_model(tier: str, arrays) -> ProximalLocal:
             return ProximalLocal(SubmodelLocal(self.submodel(tier, arrays)), self.settings.mu)
 
-        super().__init__(run, settings, client_model=client_model)
+        super().__init__(run, settings, client_model=client_model, weighting="samples")

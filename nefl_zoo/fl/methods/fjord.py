@@ -1,20 +1,27 @@
-"""FjORD: Ordered Dropout over nested widths, per-width BN, optional self-distillation."""
+"""FjORD in two variants (``method_args.variant``).
+
+``original`` (Horvath et al., NeurIPS 2021): Ordered Dropout over nested widths (every batch a
+width p <= the client's p_max), BN per width, self-distillation from p_max, replies averaged by
+sample counts. ``nefl``: the FjORD baseline of the NeFL authors' code: one width per client and
+round (drawn like NeFL's submodels), BN per width, cross-entropy only, step sizes fixed at 1,
+replies averaged 1 per client; on a width-only spec this is NeFL-W with fixed steps (N/L).
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Literal, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ...slim import CompiledSpec, SliceEntry, compile_spec, tier_key
 from ..local import LocalModel, load_entries
 from ..registry import register_method
 from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, largest, width_spec
+from ..strategy_utils import Nested, largest, module_macs, width_spec
 
 
 def _positions(index) -> torch.Tensor:
@@ -101,7 +108,7 @@ class _OrderedDropoutLocal(LocalModel):
 
     def loss(self, x, y):
         i = self.sample_width()
-        if not self.settings.kd:
+        if not self.settings.distil:
             logits = self.width_forward(i, x)
             return F.cross_entropy(logits, y), logits
         teacher = self.net(x)
@@ -121,21 +128,41 @@ class _OrderedDropoutLocal(LocalModel):
 class FjORDSettings(MethodSettings):
     """``method_args`` of ``fjord``."""
 
-    kd: bool = Field(True, description="self-distillation from the client's widest submodel (FjORD's)")
+    variant: Literal["original", "nefl"] = Field(
+        "original", description="original: FjORD's paper (ordered dropout per batch, distillation, sample weights); "
+        "nefl: the NeFL authors' baseline (one width per client-round, cross-entropy, client weights)")
+    kd: bool | None = Field(None, description="self-distillation from the client's widest submodel (none: on for "
+                            "variant original, off for nefl, which has none)")
     kd_alpha: float = Field(1.0, ge=0, le=1, description="weight of the distillation term against cross-entropy")
     kd_temperature: float = Field(1.0, gt=0, description="softmax temperature of the distillation")
+
+    @model_validator(mode="after")
+    def _variant(self) -> "FjORDSettings":
+        if self.variant == "nefl" and self.kd:
+            raise ValueError("kd: variant nefl (the NeFL authors' FjORD) has no distillation")
+        return self
+
+    @property
+    def distil(self) -> bool:
+        """Whether clients self-distil (``kd``, or the variant's default)."""
+        return self.kd if self.kd is not None else self.variant == "original"
 
 
 @register_method("fjord", label="FjORD", settings=FjORDSettings)
 class FjORD(Nested):
-    """FjORD (Horvath et al.): a client's maximum width p_max is the largest its environment
-    allows; every local batch trains a width p <= p_max drawn uniformly from the run's widths
-    (every tier no larger than p_max, allowed or not), with separate BN per width; with
-    ``method_args.kd`` (the default) the widest width self-distils into the sampled one
-    (FjORD's alpha = T = 1)."""
+    """FjORD (Horvath et al.), variant ``original``: a client's maximum width p_max is the largest
+    its environment allows; every local batch trains a width p <= p_max drawn uniformly from the
+    run's widths (every tier no larger than p_max, allowed or not), with separate BN per width;
+    the widest width self-distils into the sampled one (FjORD's alpha = T = 1; ``kd: false``
+    turns it off); replies averaged by sample counts. Variant ``nefl``: the NeFL authors' FjORD,
+    one width per client and round, cross-entropy, fixed steps, 1 per client."""
 
     def __init__(self, run: Run, settings: FjORDSettings | None = None):
+        settings = settings if settings is not None else FjORDSettings()
         compiled = compile_spec(width_spec(run.spec, ["steps", "norm"]))
+        if settings.variant == "nefl":
+            super().__init__(run, settings, compiled=compiled)
+            return
 
         def widths(top: str) -> list[str]:
             """The widths a client of ``top`` trains: every resource level no larger, ``top`` last."""
@@ -150,4 +177,15 @@ class FjORD(Nested):
             return out
 
         super().__init__(run, settings, compiled=compiled, assign=lambda levels, rng: largest(levels, self.level_size), entries=entries,
-                         client_model=lambda top, arrays: _OrderedDropoutLocal(compiled, widths(top), arrays, self.settings))
+                         client_model=lambda top, arrays: _OrderedDropoutLocal(compiled, widths(top), arrays, self.settings),
+                         weighting="samples", train_macs=lambda top: ordered_dropout_macs(compiled, widths(top), self.settings.distil))
+
+
+def ordered_dropout_macs(compiled: CompiledSpec, widths: list[str], distil: bool) -> float:
+    """Expected forward MACs per training image of a client training ``widths`` (widest last): a
+    uniformly drawn width, plus with distillation the widest width's forward on every batch (a
+    drawn widest width runs once)."""
+    macs = [module_macs(compiled[w].build(), compiled.input_size) for w in widths]
+    if not distil:
+        return sum(macs) / len(macs)
+    return macs[-1] + sum(macs[:-1]) / len(macs)

@@ -36,7 +36,8 @@ def level_costs(method) -> list[LevelCost]:
     full_macs = 0
     for task in method.tasks:
         with torch.device("meta"):
-            full = create_model(method.run.spec.model, **{**method.run.spec.model_args, "num_classes": method.task_classes[task]})
+            full = create_model(method.settings.backbone or method.run.spec.model,
+                                **{**method.run.spec.model_args, **method.settings.backbone_args, "num_classes": method.task_classes[task]})
         full_macs += count_macs(full.to_empty(device="cpu"), method.info.input_size)
     out = []
     for level in method.level_size:

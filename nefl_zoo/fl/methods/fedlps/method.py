@@ -3,9 +3,10 @@ weighted averaging) and the client's (masks kept as client state)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
-from typing import Annotated, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import torch
 from pydantic import Field, field_validator
@@ -14,12 +15,13 @@ from torch import nn
 from ....models import create_model
 from ....slim import SliceMap, compile_spec
 from ...aggregate import Update, check_update
+from ...bn import recompute_batches
 from ...registry import register_method
 from ...strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
-from ...strategy_utils import evaluate_treatments, fit_reply, largest, level_sizes, sample_clients, train_config, with_bn
-from .networks import Encoder, MultiTask, Predictor, evaluate_tasks, load_backbone
+from ...strategy_utils import evaluate_treatments, fit_reply, largest, level_sizes, sample_clients, train_config
+from .networks import Encoder, MultiTask, Predictor, evaluate_tasks, load_backbone, norm_modules, with_task_bn
 from .pruning import Masks, Pruning
-from .tasks import TASKS, TaskName
+from .tasks import DIGIT_GROUPS, TaskSet, TaskSpec, check_tasks, dataset_labels
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,21 @@ class FedLPSSettings(MethodSettings):
         [0.0, 0.2, 0.4, 0.6, 0.8], min_length=1,
         description="pruning ratio rho per resource level, from the largest tier of the run spec to the smallest",
     )
-    tasks: list[TaskName] = Field(["class", "parity"], min_length=1, description="the tasks every client trains (label maps)")
-    pretrained: str | None = Field(None, description="backbone weights (.safetensors/.pth); none: the run seed's random initialisation")
+    tasks: list[TaskSpec] = Field(DIGIT_GROUPS, min_length=1, description="disjoint groups of the dataset's labels, "
+                                  "each a task with its own images: {name, labels}")
+    backbone: str | None = Field(None, description="zoo model of the backbone (e.g. resnet18, shufflenet_v2_x1_0) with the "
+                                 "spec's model_args; none: the spec's model")
+    backbone_args: dict[str, Any] = Field({}, description="model arguments of the backbone over the spec's (e.g. planes)")
+    fill: Literal["backbone", "global"] = Field("backbone", description="what the server writes into a reply's pruned entries: "
+                                                "the backbone predictor's (the paper's Algorithm 2) or the global predictor's "
+                                                "(what the authors' code does: torch.prune keeps pruned weights at the received values)")
+    pretrained: str | None = Field(None, description="backbone weights (.safetensors/.pth; pretrain_backbone trains them on "
+                                   "the held-out data.public_fraction); none: the run seed's random initialisation")
 
-    @field_validator("tasks")
+    @field_validator("tasks", mode="before")
     @classmethod
-    def _distinct(cls, tasks: list[str]) -> list[str]:
-        if len(set(tasks)) != len(tasks):
-            raise ValueError(f"tasks must be distinct, got {tasks}")
-        return tasks
+    def _disjoint(cls, tasks):
+        return check_tasks(tasks) if isinstance(tasks, list) else tasks
 
 
 def weighted_average(states: list[tuple[Mapping[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
@@ -70,10 +78,10 @@ class FedLPS(Strategy):
                              f"{len(self.level_size)} tiers (resource levels)")
         by_size = sorted(self.level_size, key=lambda t: -self.level_size[t])  # largest first, ties in spec order
         self.rho = dict(zip(by_size, s.levels))
-        self.tasks = list(s.tasks)
-        self.task_classes = {t: TASKS[t].classes(compiled.num_classes) for t in self.tasks}
+        self.taskset = TaskSet(list(s.tasks), compiled.num_classes)
+        self.tasks, self.task_classes = self.taskset.names, self.taskset.classes
 
-        self.backbone = load_backbone(spec, run.seed, s.pretrained)
+        self.backbone = load_backbone(spec, run.seed, s.pretrained, s.backbone, s.backbone_args)
         blocks = list(self.backbone.residual_blocks())
         n = math.ceil(s.encoder_fraction * len(blocks) - 1e-9)
         if n >= len(blocks):
@@ -81,10 +89,14 @@ class FedLPS(Strategy):
         self.encoder = Encoder(self.backbone, [b for _, _, b in blocks[:n]])
         self.num_encoder_blocks = n
         with torch.device("meta"):  # the blocks' structure, copied for every (pruned) predictor
-            template = create_model(spec.model, **spec.model_args)
-        self.pruning = Pruning(self.backbone, template, n)
-        self.prunable = self.pruning.blocks
-        predictor = Predictor(self.backbone, [(*key, b) for key, (_, _, b) in zip(self.pruning.keys, blocks[n:])], nn.Identity())
+            template = create_model(s.backbone or spec.model, **{**spec.model_args, **s.backbone_args})
+        self.block_keys = [(self.backbone.stage_names[st], str(j)) for st, j, _ in blocks[n:]]  # (stage module, index in it)
+        self.templates = [b for _, _, b in list(template.residual_blocks())[n:]]
+        self.norms = norm_modules(self.backbone)
+        self.norm_templates = [(name, template.get_submodule(name)) for name in self.norms]
+        norms = [(name, self.backbone.get_submodule(name)) for name in self.norms]
+        self.pruning = Pruning([(f"{st}.{j}", b) for (st, j), (_, _, b) in zip(self.block_keys, blocks[n:])], norms, self.backbone.param_kinds())
+        predictor = Predictor(self.backbone, [(*key, b) for key, (_, _, b) in zip(self.block_keys, blocks[n:])], nn.Identity(), norms)
         #: the backbone predictor (its blocks; fixed): what fills pruned entries on the server
         self.backbone_predictor = {k: v.detach().clone() for k, v in predictor.state_dict().items()}
         levels = tuple(self.level_size)
@@ -98,7 +110,9 @@ class FedLPS(Strategy):
         the slice entry of each of its tensors in the global state (key ``TASK.KEY``)."""
         with torch.device("meta"):
             head = nn.Linear(self.backbone.num_features, self.task_classes[task])
-        return self.pruning.predictor(task, head, masks)
+        module = Predictor(self.backbone, [(*key, copy.deepcopy(b)) for key, b in zip(self.block_keys, self.templates)], head,
+                           [(name, copy.deepcopy(m)) for name, m in self.norm_templates])
+        return module, self.pruning.prune(task, module, masks)
 
     def load_predictor(self, task: str, arrays: Mapping[str, torch.Tensor], masks: Masks | None = None) -> Predictor:
         """``task``'s predictor (pruned to ``masks``) carrying its tensors from the full
@@ -117,7 +131,7 @@ class FedLPS(Strategy):
 
     def model(self, predictors: Mapping[str, Predictor]) -> MultiTask:
         """The encoder with these task predictors."""
-        return MultiTask(self.encoder, predictors)
+        return MultiTask(self.encoder, predictors, self.taskset)
 
     def level_costs(self):
         """Per resource level: trained parameters and MACs (:func:`.costs.level_costs`)."""
@@ -144,9 +158,9 @@ class FedLPS(Strategy):
         return out
 
     def recover(self, reply: Reply, global_state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """Per task, the reply's full predictor (global keys): the backbone predictor with the
-        reply's tensors written over the entries its mask kept. ``ValueError`` says why a reply
-        cannot be used."""
+        """Per task, the reply's full predictor (global keys): the backbone predictor (``fill:
+        global``: the global one) with the reply's tensors written over the entries its masks
+        kept. ``ValueError`` says why a reply cannot be used."""
         if reply.error is not None:
             raise ValueError(reply.error)
         if reply.level not in self.rho:
@@ -159,7 +173,8 @@ class FedLPS(Strategy):
             raise ValueError(reason)
         recovered = {}
         for task, task_entries in per_task.items():
-            full = {e.global_key: self.backbone_predictor.get(k, global_state[e.global_key]).clone() for k, e in task_entries.items()}
+            fill = self.backbone_predictor if self.settings.fill == "backbone" else {}
+            full = {e.global_key: fill.get(k, global_state[e.global_key]).clone() for k, e in task_entries.items()}
             SliceMap(task_entries).scatter_(full, {k: reply.arrays[e.global_key] for k, e in task_entries.items()})
             recovered[task] = full
         return recovered
@@ -169,25 +184,31 @@ class FedLPS(Strategy):
         for cid, reply in replies.items():
             try:
                 weights = {task: float(reply.metrics[f"num_samples.{task}"]) for task in self.tasks}
-                if not all(math.isfinite(w) and w > 0 for w in weights.values()):
-                    raise ValueError(f"task sample counts {weights} must be positive")
+                if not all(math.isfinite(w) and w >= 0 for w in weights.values()) or not sum(weights.values()):
+                    raise ValueError(f"task sample counts {weights} must be >= 0, one of them positive")
+                if self.run.train.weighting == "clients":  # 1 per client that trained the task; default: its images (the paper)
+                    weights = {task: float(w > 0) for task, w in weights.items()}
                 accepted.append((self.recover(reply, global_state), weights))
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("client %s: reply rejected: %s", cid, exc)
                 rejected.append((cid, str(exc)))
         state = dict(global_state)
         if accepted:
-            for task in self.tasks:
-                state.update(weighted_average([(recovered[task], weights[task]) for recovered, weights in accepted]))
+            for task in self.tasks:  # a client without images of a task did not train its predictor
+                trained = [(recovered[task], weights[task]) for recovered, weights in accepted if weights[task] > 0]
+                if trained:
+                    state.update(weighted_average(trained))
         return Aggregate(state, len(accepted), rejected)
 
     def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
-        """The encoder with every task's global predictor, one accuracy per task, under each BN
-        treatment of ``eval.bn`` (``recompute``: the predictors' statistics, on the encoder's
-        features; averaged statistics of pruned predictors do not fit the full ones)."""
+        """The encoder with every task's global predictor, each task's accuracy on its own test
+        images, under each BN treatment of ``eval.bn`` (``recompute``: each predictor's statistics
+        on its task's images among the same training batches every method sees; averaged
+        statistics of pruned predictors do not fit the full ones)."""
         def score(treatment: str) -> dict[str, float]:
             model = self.model({task: self.load_predictor(task, global_state) for task in self.tasks})
-            return evaluate_tasks(with_bn(model, treatment, self.run, data), data.test, self.run.eval.batch_size)
+            batches = recompute_batches(data.train_eval, self.run.train.batch_size, self.run.seed, self.run.eval.bn_batches)
+            return evaluate_tasks(with_task_bn(model, treatment, batches), data.test, self.run.eval.batch_size)
 
         return evaluate_treatments(self.run, score, self.tasks)
 
@@ -199,5 +220,5 @@ class FedLPS(Strategy):
         model = self.model({task: self.load_predictor(task, instruction.arrays, masks) for task in self.tasks})
         reply = fit_reply(model, data, instruction)
         reply.arrays.update({k: v.clone() for k, v in masks.items()})
-        reply.metrics.update({f"num_samples.{task}": reply.num_samples for task in self.tasks})
+        reply.metrics.update({f"num_samples.{task}": n for task, n in self.taskset.counts(dataset_labels(data)).items()})
         return reply

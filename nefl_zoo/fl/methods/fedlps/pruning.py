@@ -1,11 +1,20 @@
-"""FedLPS's channel pruning, expressed as slice maps: L1 selection of the inner channels of
-every predictor block, the pruned (physically smaller) predictor, and the
-:class:`~nefl_zoo.slim.SliceEntry` (index-tensor regions) of each of its tensors in the global
-state, so extraction and scatter are the slice maps' own."""
+"""FedLPS's channel pruning of every predictor layer, expressed as slice maps.
+
+A predictor's channels fall into **spaces**, each pruned with one mask: the inner channels of
+every block (the outputs of each branch convolution but the last) and the residual stream of
+every stage that starts with a projection inside the predictor (the projection's and every
+block's last convolution's outputs, which the residual additions tie together). Every layer's
+output channels are its space's mask and its input channels the previous space's, so at ratio
+rho a convolution keeps about ``(1 - rho)^2`` of its weights. Not pruned: the encoder's output
+(the first predictor layer's inputs; the authors' code does the same), a stage's stream whose
+first block lies in the encoder (identity shortcuts carry the encoder's channels), the task
+heads' classes. A space's L1 score of a channel is the sum of the L1 norms of the filters that
+write it. The pruned (physically smaller) predictor maps into the global one through
+:class:`~nefl_zoo.slim.SliceEntry` index tensors, so extraction and scatter are the slice maps'.
+"""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from itertools import chain
 from typing import Mapping
@@ -13,73 +22,124 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ....models.base import NestedNet
+from ....models.shufflenet import ShuffleUnit
 from ....slim import SliceEntry
-from .networks import Predictor
 
 Masks = Mapping[str, torch.Tensor]  # mask key -> kept channel indices (ascending)
 
 
+def kept(width: int, rho: float) -> int:
+    """Channels of ``width`` kept at pruning ratio ``rho``: ``width - round(rho * width)``, at least one."""
+    return max(1, width - round(rho * width))
+
+
 def l1_channels(weight: torch.Tensor, rho: float) -> torch.Tensor:
-    """Output channels of a convolution kept at pruning ratio ``rho``: the ``C - round(rho * C)``
-    (at least one) with the largest L1 norm of their filter, ties to the lower index; ascending."""
-    scores = weight.detach().abs().flatten(1).sum(1)
-    channels = len(scores)
-    keep = max(1, channels - round(rho * channels))
+    """Output channels kept at ratio ``rho`` by the L1 norm of their filter in ``weight`` (or
+    by ``weight`` itself when it is a vector of scores): the :func:`kept` largest, ties to the
+    lower index; ascending."""
+    scores = weight.detach().abs().flatten(1).sum(1) if weight.ndim > 1 else weight.detach()
     order = torch.sort(scores, descending=True, stable=True).indices
-    return order[:keep].sort().values
+    return order[:kept(len(scores), rho)].sort().values
 
 
 @dataclass(frozen=True)
-class PrunableBlock:
-    """A predictor block: its module path (the same in the backbone and every predictor), its
-    branch's convolutions and their norms (child names, in order) and its inner widths (the
-    outputs of every convolution but the last)."""
+class Space:
+    """Channels pruned with one mask: name, width and the weights (predictor keys) whose output
+    channels they are (the L1 score sums their filters' norms)."""
+
+    name: str
+    width: int
+    producers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A predictor module (path) and the spaces of its output and input channels (None: whole)."""
 
     path: str
-    convs: tuple[str, ...]
-    norms: tuple[str, ...]
-    widths: tuple[int, ...]
+    out: str | None
+    inp: str | None
 
 
-def prunable_block(path: str, block: nn.Module) -> PrunableBlock:
-    """Describe ``block``'s branch (its ``branch_parameters()``) as a chain of convolutions, each
-    followed by a batch norm; ``ValueError`` for any other block."""
+def _chain(path: str, block: nn.Module) -> list[tuple[str, nn.Conv2d, str]]:
+    """``block``'s branch as (conv name, conv, norm name) pairs; ``ValueError`` unless it is a
+    chain of ungrouped convolutions each followed by a batch norm (a ResNet block)."""
     branch = {id(p) for _, p in block.branch_parameters()}
     children = [(n, m) for n, m in block.named_children() if any(id(p) in branch for p in m.parameters())]
     convs = [(n, m) for n, m in children if isinstance(m, nn.Conv2d)]
     norms = [(n, m) for n, m in children if isinstance(m, nn.BatchNorm2d)]
     if (len(convs) < 2 or len(convs) != len(norms) or len(children) != 2 * len(convs)
             or any(c.groups != 1 or c.out_channels != b.num_features for (_, c), (_, b) in zip(convs, norms))):
-        raise ValueError(f"fedlps: block {path} is not a chain of convolutions with batch norms (FedLPS prunes ResNet blocks)")
-    return PrunableBlock(path, tuple(n for n, _ in convs), tuple(n for n, _ in norms), tuple(c.out_channels for _, c in convs[:-1]))
+        raise ValueError(f"fedlps: block {path} is not a chain of convolutions with batch norms (FedLPS prunes ResNet and ShuffleNetV2 blocks)")
+    return [(cn, c, bn) for (cn, c), (bn, _) in zip(convs, norms)]
 
 
-def mask_key(task: str, block: PrunableBlock, conv: int) -> str:
-    """Key of a mask (kept channel indices) in client state and replies."""
-    return f"mask.{task}.{block.path}.{conv}"
+def layout(blocks: list[tuple[str, nn.Module]], norms: list[tuple[str, nn.Module]] = ()) -> tuple[dict[str, Space], list[Layer]]:
+    """The spaces and layers of a predictor made of ``blocks`` ((path, block), in order), the
+    ``norms`` after them ((name, a sequence of convolutions each followed by a batch norm,
+    e.g. ShuffleNetV2's ``conv5``) and a task ``head`` reading the last channels.
 
+    ShuffleNetV2 units: only the inner channels of ``branch2`` (its first 1x1 convolution's
+    outputs, the depthwise convolution, the last 1x1's inputs) are pruned; the stream, which
+    the units split in halves and shuffle, stays whole."""
+    widths: dict[str, int] = {}
+    producers: dict[str, list[str]] = {}
+    layers: list[Layer] = []
+    stream = None  # the encoder's output is never pruned
 
-def _pruned_block(template: nn.Module, info: PrunableBlock, kept: list[torch.Tensor | None]) -> tuple[nn.Module, dict]:
-    """A (meta) copy of ``template`` whose inner channels are ``kept`` (per inner width; None:
-    all), and the index region of each replaced module: (output, input) indices."""
-    block, regions = copy.deepcopy(template), {}
-    kept = [*kept, None]  # the last convolution's outputs are the residual stream: never pruned
-    for c, (conv_name, norm_name) in enumerate(zip(info.convs, info.norms)):
-        out_idx, in_idx = kept[c], kept[c - 1] if c > 0 else None
-        if out_idx is None and in_idx is None:
+    def space(name: str, width: int, producer: str) -> str:
+        widths[name] = width
+        producers.setdefault(name, []).append(producer)
+        return name
+
+    for path, block in blocks:
+        if isinstance(block, ShuffleUnit):
+            inner = space(f"{path}.branch2.0", block.branch2[0].out_channels, f"{path}.branch2.0.weight")
+            layers += [Layer(f"{path}.branch2.{i}", inner, None) for i in (0, 1, 3, 4)] + [Layer(f"{path}.branch2.5", None, inner)]
             continue
-        conv, norm = block.get_submodule(conv_name), block.get_submodule(norm_name)
-        with torch.device("meta"):
-            new = nn.Conv2d(conv.in_channels if in_idx is None else len(in_idx), conv.out_channels if out_idx is None else len(out_idx),
-                            conv.kernel_size, conv.stride, conv.padding, conv.dilation, bias=conv.bias is not None)
-            block.add_module(conv_name, new)
-            regions[new] = (out_idx, in_idx)
-            if out_idx is not None:
-                new = nn.BatchNorm2d(len(out_idx), norm.eps, norm.momentum, norm.affine, norm.track_running_stats)
-                block.add_module(norm_name, new)
-                regions[new] = (out_idx,)
-    return block, regions
+        convs = _chain(path, block)
+        inp = stream
+        if block.downsample is not None:  # a projection starts a stream of its own
+            proj = block.downsample[0]
+            stream = space(f"{path}.stream", proj.out_channels, f"{path}.downsample.0.weight")
+            layers += [Layer(f"{path}.downsample.0", stream, inp), Layer(f"{path}.downsample.1", stream, None)]
+        prev = inp
+        for c, (conv_name, conv, norm_name) in enumerate(convs):
+            key = f"{path}.{conv_name}"
+            if c < len(convs) - 1:
+                out = space(key, conv.out_channels, f"{key}.weight")
+            elif stream is not None:
+                out = space(stream, conv.out_channels, f"{key}.weight")
+            else:
+                out = None
+            layers += [Layer(key, out, prev), Layer(f"{path}.{norm_name}", out, None)]
+            prev = out
+    for name, seq in norms:
+        for i, module in seq.named_children():
+            if isinstance(module, nn.Conv2d):
+                out = space(f"{name}.{i}", module.out_channels, f"{name}.{i}.weight")
+                layers.append(Layer(f"{name}.{i}", out, stream))
+                stream = out
+            elif isinstance(module, nn.BatchNorm2d):
+                layers.append(Layer(f"{name}.{i}", stream, None))
+    layers.append(Layer("head", None, stream))
+    return {n: Space(n, widths[n], tuple(producers[n])) for n in widths}, layers
+
+
+def _shrunk(module: nn.Module, out: int | None, inp: int | None) -> nn.Module:
+    """A (meta) copy of a convolution, batch norm or linear layer with ``out`` output and
+    ``inp`` input channels (None: as before)."""
+    with torch.device("meta"):
+        if isinstance(module, nn.Conv2d) and module.groups > 1:  # depthwise: one filter per channel
+            return nn.Conv2d(out, out, module.kernel_size, module.stride, module.padding, module.dilation, groups=out, bias=module.bias is not None)
+        if isinstance(module, nn.Conv2d):
+            return nn.Conv2d(module.in_channels if inp is None else inp, module.out_channels if out is None else out,
+                             module.kernel_size, module.stride, module.padding, module.dilation, bias=module.bias is not None)
+        if isinstance(module, nn.BatchNorm2d):
+            return nn.BatchNorm2d(out, module.eps, module.momentum, module.affine, module.track_running_stats)
+        if isinstance(module, nn.Linear):
+            return nn.Linear(module.in_features if inp is None else inp, module.out_features if out is None else out, module.bias is not None)
+    raise TypeError(f"fedlps: cannot prune a {type(module).__name__}")
 
 
 def slice_entries(module: nn.Module, regions: Mapping[nn.Module, tuple], prefix: str, kinds: Mapping[str, str]) -> dict[str, SliceEntry]:
@@ -97,61 +157,60 @@ def slice_entries(module: nn.Module, regions: Mapping[nn.Module, tuple], prefix:
     return entries
 
 
+def mask_key(task: str, space: str) -> str:
+    """Key of a mask (kept channel indices) in client state and replies."""
+    return f"mask.{task}.{space}"
+
+
 class Pruning:
-    """The predictor blocks of a backbone (every block after the encoder's ``n``) and how a
-    task's predictor is pruned to masks.
+    """How a task's predictor is pruned to masks.
 
     Args:
-        backbone: the full model (its blocks are the unpruned predictor's).
-        template: the same architecture on the meta device (copied for every pruned predictor).
-        n: blocks in the encoder.
+        blocks: the predictor's blocks as (path, module) (the backbone's, for their structure).
+        norms: the modules of the backbone's ``forward_norm`` as (name, module).
+        kinds: the backbone's parameter kinds (:meth:`~nefl_zoo.models.base.NestedNet.param_kinds`).
     """
 
-    def __init__(self, backbone: NestedNet, template: NestedNet, n: int):
-        blocks = list(backbone.residual_blocks())[n:]
-        self.keys = [(backbone.stage_names[st], str(j)) for st, j, _ in blocks]  # (stage module, index in it)
-        self.blocks: list[PrunableBlock] = [prunable_block(f"{stage}.{j}", b) for (stage, j), (_, _, b) in zip(self.keys, blocks)]
-        self.templates = [b for _, _, b in list(template.residual_blocks())[n:]]
-        self.kinds = backbone.param_kinds()
-        self.backbone = backbone
+    def __init__(self, blocks: list[tuple[str, nn.Module]], norms: list[tuple[str, nn.Module]], kinds: Mapping[str, str]):
+        self.spaces, self.layers = layout(blocks, norms)
+        self.kinds = kinds
 
-    def predictor(self, task: str, head: nn.Module, masks: Masks | None = None) -> tuple[nn.Module, dict[str, SliceEntry]]:
-        """An uninitialised (meta) predictor of ``task`` with ``head``, pruned to ``masks``
-        (None: full), and the slice entry of each of its tensors (global key ``TASK.KEY``)."""
-        blocks, regions = [], {}
-        for (stage, index), template, info in zip(self.keys, self.templates, self.blocks):
-            kept = [None if masks is None else masks[mask_key(task, info, c)] for c in range(len(info.widths))]
-            block, block_regions = _pruned_block(template, info, kept)
-            blocks.append((stage, index, block))
-            regions.update(block_regions)
-        module = Predictor(self.backbone, blocks, head)
-        return module, slice_entries(module, regions, task, self.kinds)
+    def prune(self, task: str, predictor: nn.Module, masks: Masks | None) -> dict[str, SliceEntry]:
+        """Replace, in the (meta) full ``predictor`` of ``task``, every layer by its pruned copy
+        (``masks`` None: none) and return the slice entry of each of its tensors (global key
+        ``TASK.KEY``)."""
+        regions = {}
+        for layer in self.layers if masks is not None else ():
+            out, inp = (None if s is None else masks[mask_key(task, s)] for s in (layer.out, layer.inp))
+            if out is None and inp is None:
+                continue
+            parent, _, name = layer.path.rpartition(".")
+            new = _shrunk(predictor.get_submodule(layer.path), None if out is None else len(out), None if inp is None else len(inp))
+            setattr(predictor.get_submodule(parent) if parent else predictor, name, new)
+            regions[new] = (out, inp)
+        return slice_entries(predictor, regions, task, self.kinds)
 
     def choose(self, tasks: list[str], arrays: Mapping[str, torch.Tensor], rho: float) -> dict[str, torch.Tensor]:
-        """Every task's mask at ratio ``rho``, by L1 norm of the filters in ``arrays`` (global keys)."""
+        """Every task's masks at ratio ``rho``, by L1 norm of the filters in ``arrays`` (global keys)."""
         return {
-            mask_key(task, info, c): l1_channels(arrays[f"{task}.{info.path}.{conv}.weight"], rho)
-            for task in tasks for info in self.blocks for c, conv in enumerate(info.convs[:-1])
+            mask_key(task, s.name): l1_channels(sum(arrays[f"{task}.{p}"].abs().flatten(1).sum(1) for p in s.producers), rho)
+            for task in tasks for s in self.spaces.values()
         }
 
     def prefix(self, tasks: list[str], rho: float) -> dict[str, torch.Tensor]:
         """Masks of ratio ``rho``'s sizes keeping the first channels (costs do not depend on which)."""
-        return {
-            mask_key(task, info, c): torch.arange(max(1, width - round(rho * width)))
-            for task in tasks for info in self.blocks for c, width in enumerate(info.widths)
-        }
+        return {mask_key(task, s.name): torch.arange(kept(s.width, rho)) for task in tasks for s in self.spaces.values()}
 
     def read(self, tasks: list[str], arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The masks in a reply's ``arrays``; ``ValueError`` unless each is ascending distinct
         channel indices below its width."""
         masks = {}
         for task in tasks:
-            for info in self.blocks:
-                for c, width in enumerate(info.widths):
-                    key = mask_key(task, info, c)
-                    kept = arrays.get(key)
-                    if (kept is None or kept.dtype != torch.int64 or kept.ndim != 1 or not len(kept)
-                            or int(kept[0]) < 0 or int(kept[-1]) >= width or not bool((kept[1:] > kept[:-1]).all())):
-                        raise ValueError(f"{key}: expected ascending distinct channel indices below {width}")
-                    masks[key] = kept
+            for s in self.spaces.values():
+                key = mask_key(task, s.name)
+                idx = arrays.get(key)
+                if (idx is None or idx.dtype != torch.int64 or idx.ndim != 1 or not len(idx)
+                        or int(idx[0]) < 0 or int(idx[-1]) >= s.width or not bool((idx[1:] > idx[:-1]).all())):
+                    raise ValueError(f"{key}: expected ascending distinct channel indices below {s.width}")
+                masks[key] = idx
         return masks

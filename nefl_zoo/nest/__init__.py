@@ -1,0 +1,58 @@
+"""Automatic nesting of any traceable CNN: ``torchvision:NAME`` / ``timm:NAME`` model names and
+:func:`nest` for a user's own ``nn.Module``.
+
+A channel-dependency analysis of the torch.fx graph (:mod:`.channels`) groups the channels
+that must be kept together; each group is nested by prefix (:mod:`.plan`); blocks whose
+branch is added to an identity shortcut get a step size and can be removed
+(:mod:`.residual`); each tier is a physically slimmed graph module (:mod:`.slim`) behind the
+zoo's model contract (:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling,
+auto-tier and ONNX export use it unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .sources import NestError, Source
+
+__all__ = ["NestError", "nest"]
+
+
+def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: str | None = None) -> str:
+    """Register ``module`` as a nestable zoo model and return its name (use it in specs,
+    ``compile_spec``, ``auto_tier``, ``create_model``).
+
+    ``example_input``: a tensor or a shape ``(N, C, H, W)`` (square inputs): its channels and
+    size set ``in_chans`` and ``img_size``. Every tier starts from ``module``'s own weights
+    (copied; ``module`` is not changed). ``name`` defaults to the class name in snake case.
+    A module that cannot be nested raises :class:`NestError` naming the construct.
+    """
+    from ..models.registry import register_model
+    from .net import AutoArgs, build_tier
+    from .plan import cached_plan
+
+    shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor) else example_input)
+    if len(shape) != 4 or shape[2] != shape[3]:
+        raise NestError(f"example_input: expected a square (N, C, H, W) input, got {shape}")
+    name = name or "".join(f"_{c.lower()}" if c.isupper() else c for c in type(module).__name__).lstrip("_")
+    template = copy.deepcopy(module).eval()
+    source = Source(f"module:{name}", lambda: copy.deepcopy(template))
+    with torch.no_grad():
+        classes = template(torch.zeros(1, *shape[1:])).shape[-1]
+    key = (source.name, id(template))
+    cached_plan(key, shape[1], shape[2], lambda: source)  # analyse now: errors surface here
+
+    def entry(num_classes: int = classes, in_chans: int = shape[1], img_size: int = shape[2], gamma_w: float = 1.0,
+              channel_multiple: int = 1, steps=None):
+        if (num_classes, in_chans, img_size) != (classes, shape[1], shape[2]):
+            raise NestError(f"{name}: a user module keeps its {classes} classes, {shape[1]} channels, size {shape[2]}")
+        return build_tier(key, lambda: source, in_chans, img_size, num_classes, gamma_w, channel_multiple, steps)
+
+    entry.__name__ = name
+    entry.__doc__ = f"{type(module).__name__}, nested automatically (nefl_zoo.nest)."
+    register_model(entry, args=AutoArgs)
+    return name

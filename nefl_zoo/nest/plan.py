@@ -1,0 +1,222 @@
+"""A nesting plan: channel groups, their prefix widths per tier, and the skippable blocks.
+
+A *group* is a set of channel spaces tied by element-wise operations (a stage's residual
+stream, a block's inner width, a squeeze-excitation's squeeze). Its classes are ordered by
+their first appearance, and a tier keeps the first ``k`` of them, ``k`` by the width rule
+(:func:`~nefl_zoo.models.base.scale_width`, rounded up to whole groups of a grouped
+convolution): a narrower tier's channels are a prefix of a wider tier's. A channel split
+(``split``/``chunk``) cuts a group into parts, each nested the same way on its own. Groups holding
+input or output channels keep them all. A tensor dimension that mixes groups (a concatenation, a flatten
+into a linear layer) keeps a non-prefix set of positions, which the slice map records as an
+index tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.base import scale_width
+from .channels import Channels, analyse
+from .residual import Block, find_blocks
+from .sources import NestError, Source, construct, trace
+
+ANALYSIS_SIZE = 128  # largest input height/width analysed (channels do not depend on it)
+
+
+@dataclass
+class NestPlan:
+    """What the analysis found for one source network (shared by all its tiers)."""
+
+    source: Source
+    in_chans: int
+    graph: "torch.fx.Graph"
+    channels: Channels
+    roots: torch.Tensor  # class of every id
+    group_of: torch.Tensor  # group of every class root (-1 for non-roots)
+    group_parts: list[list[torch.Tensor]]  # per group its classes in order, by the parts channel splits cut
+    group_quantum: list[int]
+    group_fixed: list[bool]
+    dims: dict[str, list[torch.Tensor | None]]  # state key -> per dimension ids (None: whole)
+    blocks: list[Block]  # skippable residual blocks, in order, with (stage, index)
+    unskippable: list[str]  # residual adds that cannot be skipped, and why
+    stage_modules: list[str]
+    stage_reductions: list[int]
+    classifier: str
+    param_shapes: dict[str, tuple[int, ...]]  # every parameter of the full network (steps excluded)
+    analysis_s: float
+    index_cache: dict = field(default_factory=dict)
+
+    @property
+    def stage_depths(self) -> tuple[int, ...]:
+        return tuple(sum(1 for b in self.blocks if b.stage == s) for s in range(len(self.stage_modules)))
+
+    def keep(self, gamma_w: float, multiple: int) -> torch.Tensor:
+        """Whether each id is kept, for a tier of width ratio ``gamma_w``: in every part of every
+        group (a group is one part unless a channel split cuts it) the first ``k`` classes, ``k``
+        by the width rule rounded up to the group's quantum (whole groups of a grouped conv)."""
+        kept_root = torch.zeros(len(self.roots), dtype=torch.bool)
+        for parts, q, fixed in zip(self.group_parts, self.group_quantum, self.group_fixed):
+            for classes in parts:
+                c = len(classes)
+                k = c if fixed or gamma_w >= 1 else min(c, math.ceil(scale_width(c, gamma_w, multiple) / q) * q)
+                kept_root[classes[:k]] = True
+        return kept_root[self.roots]
+
+    def index(self, key: str, keep: torch.Tensor) -> tuple:
+        """Per dimension of state entry ``key``: ``None`` (all of it), a prefix ``slice`` or the
+        kept positions (a LongTensor); ``()`` for entries no channel reaches."""
+        out = []
+        for d, ids in enumerate(self.dims.get(key, ())):
+            if ids is None:
+                out.append(None)
+                continue
+            pos = torch.nonzero(keep[ids]).flatten()
+            out.append(slice(0, len(pos)) if torch.equal(pos, torch.arange(len(pos))) else pos)
+        return tuple(out)
+
+    def check_groups(self, keep: torch.Tensor) -> None:
+        """Kept channels of every grouped convolution are whole leading groups, and no view
+        splits narrowed channels (a channel shuffle mixes them across the split)."""
+        for name, vec in self.channels.channel_views:
+            if not bool(keep[vec].all()):
+                raise NestError(f"{name}: a view that splits the channels (channel shuffle) of narrowed channels")
+        for key, (groups, cin) in self.channels.convs.items():
+            if cin == groups:  # depthwise: any kept set
+                continue
+            pos = torch.nonzero(keep[self.dims[key][0]]).flatten()
+            if not torch.equal(pos, torch.arange(len(pos))) or len(pos) % (cin // groups):
+                raise NestError(f"{key}: the kept channels of this grouped convolution are not whole leading groups")
+
+
+def _elements_dims(key: str, ids: torch.Tensor, roots: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per dimension ids of a parameter used element-wise (layer scale, position embedding)."""
+    classes = roots[ids]
+    varying = [d for d in range(ids.ndim) if ids.shape[d] > 1 and not bool((classes == classes.narrow(d, 0, 1)).all())]
+    if len(varying) > 1:
+        raise NestError(f"{key}: a parameter whose elements belong to channels along {len(varying)} dimensions")
+    dims: list[torch.Tensor | None] = [None] * ids.ndim
+    for d in varying:
+        dims[d] = ids.movedim(d, -1).reshape(-1, ids.shape[d])[0]
+    return dims
+
+
+def _groups(ch: Channels, roots: torch.Tensor):
+    n = len(roots)
+    space_of = torch.empty(n, dtype=torch.long)
+    for s, (_, base, size) in enumerate(ch.spaces):
+        space_of[base:base + size] = s
+    parent = list(range(len(ch.spaces)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in torch.unique(torch.stack([space_of, space_of[roots]], 1), dim=0).tolist():
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    group_of_space = torch.tensor([find(s) for s in range(len(ch.spaces))])
+    gid = group_of_space[space_of[roots]]  # group of each id (by its root's space)
+    order = {}
+    for g in gid.tolist():
+        order.setdefault(g, len(order))
+    gid = torch.tensor([order[g] for g in gid.tolist()]) if n else gid
+    group_classes = []
+    for g in range(len(order)):
+        ids_in = torch.nonzero(gid == g).flatten()
+        cls = roots[ids_in]
+        seen, ordered = set(), []
+        for r in cls.tolist():
+            if r not in seen:
+                seen.add(r)
+                ordered.append(r)
+        group_classes.append(torch.tensor(ordered, dtype=torch.long))
+    group_of = torch.full((n,), -1, dtype=torch.long)
+    for g, cls in enumerate(group_classes):
+        group_of[cls] = g
+    return group_of, group_classes
+
+
+def make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
+    """Trace ``source`` on the meta device and analyse its channels and residual blocks."""
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = construct(source)
+    gm = trace(source, model)
+    size = min(img_size, ANALYSIS_SIZE)
+    ch = analyse(gm, torch.Size((1, in_chans, size, size)))
+    roots = ch.roots()
+    state = dict(gm.state_dict())
+    dims = {}
+    for key, value in state.items():
+        spec = ch.dims.get(key)
+        if spec == ["elements"]:
+            base = next(b for name, b, _ in ch.spaces if name == key)
+            dims[key] = _elements_dims(key, torch.arange(base, base + value.numel()).view(value.shape), roots)
+        elif spec is not None:
+            for d, ids in enumerate(spec):
+                if ids is not None and len(ids) != value.shape[d]:
+                    raise NestError(f"{key}: dimension {d} has {value.shape[d]} entries but {len(ids)} channels reach "
+                                    "it (a flatten whose size depends on the input size)")
+            dims[key] = spec
+    group_of, group_classes = _groups(ch, roots)
+    quantum = [1] * len(group_classes)
+    for vec, q in ch.quantum:
+        for g in set(group_of[roots[vec]].tolist()):
+            quantum[g] = math.lcm(quantum[g], q)
+    fixed_roots = {int(roots[i]) for i in ch.fixed}
+    group_fixed = [False] * len(group_classes)
+    for r in fixed_roots:
+        group_fixed[int(group_of[r])] = True
+    blocks, unskippable, stage_modules, reductions = find_blocks(gm, size)
+    classifier = _classifier(gm, dims, fixed_roots, roots)
+    return NestPlan(source, in_chans, gm.graph, ch, roots, group_of, _parts(ch, roots, group_classes), quantum, group_fixed, dims,
+                    blocks, unskippable, stage_modules, reductions, classifier,
+                    {k: tuple(p.shape) for k, p in gm.named_parameters()}, time.perf_counter() - start)
+
+
+def _parts(ch: Channels, roots: torch.Tensor, group_classes: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each group's classes cut into the parts of the channel splits that cut it (in order; the
+    classes no split reaches form one part)."""
+    part_of = torch.full((len(roots),), -1, dtype=torch.long)
+    for split in ch.parts:
+        for seg in split:
+            cls = roots[seg]
+            fresh = part_of[cls] < 0
+            part_of[cls[fresh]] = int(part_of.max()) + 1
+    out = []
+    for classes in group_classes:
+        parts: dict[int, list[int]] = {}
+        for c, p in zip(classes.tolist(), part_of[classes].tolist()):
+            parts.setdefault(p, []).append(c)
+        out.append([torch.tensor(v, dtype=torch.long) for v in parts.values()])
+    return out
+
+
+def _classifier(gm, dims, fixed_roots, roots) -> str:
+    """The module whose weight produces the output classes."""
+    owner = ""
+    for key, spec in dims.items():
+        if key.endswith("weight") and spec and spec[0] is not None and len(spec) >= 2 and spec[1] is not None:
+            if int(roots[spec[0][0]]) in fixed_roots:
+                owner = key.rpartition(".")[0]
+    return owner
+
+
+_PLANS: dict[tuple, NestPlan] = {}
+
+
+def cached_plan(source_key: tuple, in_chans: int, img_size: int, make_source) -> NestPlan:
+    """One plan per (source, in_chans, image size), kept for the process: a network's tiers
+    and its full model share it (and the indices its tiers recorded)."""
+    key = (source_key, in_chans, img_size)
+    if key not in _PLANS:
+        _PLANS[key] = make_plan(make_source(), in_chans, img_size)
+    return _PLANS[key]
+

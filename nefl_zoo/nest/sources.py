@@ -1,0 +1,163 @@
+"""Where automatically nested networks come from: ``torchvision:NAME``, ``timm:NAME`` or a user's
+``nn.Module``, and how they are traced with torch.fx.
+
+A source builds the network without weights (no network access); ``nefl-zoo --pretrained
+torchvision:NAME`` loads weights afterwards through :func:`nefl_zoo.models.load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+PREFIXES = ("torchvision", "timm")
+
+
+class NestError(ValueError):
+    """A network that cannot be nested: one line naming the construct."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A network's constructor and the tracer that understands it."""
+
+    name: str  # e.g. "torchvision:resnet18", or "module:ClassName"
+    make: Callable[[], nn.Module]  # builds the full network on the current default device
+    leaf_types: tuple[type, ...] = ()  # modules traced as one call (beyond torch.nn's own)
+    autowrap: tuple[Callable, ...] = ()  # functions recorded as one call
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Construct on the CPU (constructors that compute widths with tensors need one) while
+    every parameter and buffer lands on the meta device (no memory, no init cost)."""
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def parameter(self, name, param):
+        register_parameter(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    def buffer(self, name, tensor, persistent=True):
+        register_buffer(self, name, tensor, persistent)
+        if tensor is not None:
+            self._buffers[name] = tensor.to("meta")
+
+    inits = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
+    nn.Module.register_parameter, nn.Module.register_buffer = parameter, buffer
+    for name in inits:  # initialising shape-only tensors is wasted time
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
+        for name, fn in inits.items():
+            setattr(nn.init, name, fn)
+
+
+def construct(source: Source) -> nn.Module:
+    """``source.make()`` on the current default device (meta: parameters only on meta)."""
+    if torch.empty(0).device.type != "meta":
+        return source.make()
+    with _parameters_on_meta():
+        return source.make().to("meta")  # a copied module (nest()) brings its own tensors
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``("torchvision", "resnet18")`` for ``"torchvision:resnet18"``; ``None`` for a zoo name."""
+    prefix, sep, rest = name.partition(":")
+    return (prefix, rest) if sep and prefix in PREFIXES and rest else None
+
+
+@functools.cache
+def torchvision_names() -> tuple[str, ...]:
+    """torchvision's classification models (``list_models(module=torchvision.models)``)."""
+    import torchvision
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+def exists(name: str) -> bool:
+    """Whether ``name`` (``torchvision:NAME`` / ``timm:NAME``) names a model of that library."""
+    parts = split_name(name)
+    if parts is None:
+        return False
+    prefix, model = parts
+    if prefix == "torchvision":
+        return model in torchvision_names()
+    import timm
+
+    return timm.is_model(model)
+
+
+def _replace_first_conv(model: nn.Module, in_chans: int) -> None:
+    """Give the first convolution ``in_chans`` input channels (torchvision builds 3)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            if module.in_channels == in_chans:
+                return
+            new = nn.Conv2d(
+                in_chans, module.out_channels, module.kernel_size, module.stride, module.padding,
+                module.dilation, module.groups, module.bias is not None, module.padding_mode,
+            )
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+            return
+    raise NestError(f"in_chans: no convolution found to take {in_chans} input channels")
+
+
+def library_source(name: str, num_classes: int, in_chans: int) -> Source:
+    """The source of ``torchvision:NAME`` / ``timm:NAME`` with ``num_classes`` outputs."""
+    parts = split_name(name)
+    if parts is None or not exists(name):
+        raise NestError(f"unknown model {name!r} (torchvision:NAME or timm:NAME)")
+    prefix, model = parts
+    if prefix == "torchvision":
+        import torchvision
+
+        def make() -> nn.Module:
+            kwargs = {"aux_logits": False, "init_weights": True} if model in ("googlenet", "inception_v3") else {}
+            net = torchvision.models.get_model(model, weights=None, num_classes=num_classes, **kwargs)
+            _replace_first_conv(net, in_chans)
+            return net
+
+        return Source(name, make)
+    import timm
+    from timm.models._features_fx import get_notrace_functions, get_notrace_modules
+
+    def make_timm() -> nn.Module:
+        return timm.create_model(model, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+
+    return Source(name, make_timm, tuple(get_notrace_modules()), tuple(get_notrace_functions()))
+
+
+def trace(source: Source, model: nn.Module) -> torch.fx.GraphModule:
+    """``model`` traced by torch.fx (eval mode) with the source's leaf modules (timm's "notrace"
+    list) kept as single calls, else, where that fails, through every module."""
+    import torch.fx as fx
+
+    model.eval()
+    error = None
+    for leaves in dict.fromkeys([source.leaf_types, ()]):
+
+        class Tracer(fx.Tracer):
+            def is_leaf_module(self, m: nn.Module, qualname: str, leaves=leaves) -> bool:
+                return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
+
+        try:
+            gm = fx.GraphModule(model, Tracer(autowrap_functions=source.autowrap).trace(model), type(model).__name__)
+            for node in list(gm.graph.nodes):  # shape assertions hold for the full widths only
+                if node.op == "call_function" and getattr(node.target, "__name__", "") in ("_assert", "_assert_async"):
+                    gm.graph.erase_node(node)
+            gm.graph.eliminate_dead_code()  # and the shape look-ups they read
+            return gm
+        except Exception as exc:  # noqa: BLE001 - whatever the network's forward does with proxies
+            text = str(exc).strip().splitlines()
+            error = f"torch.fx cannot trace it: {type(exc).__name__}: {text[0] if text else ''}"[:300]
+    raise NestError(error)

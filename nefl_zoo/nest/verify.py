@@ -1,0 +1,42 @@
+"""Checks of an automatically nested network against its global model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
+    """Max |difference| between ``tier``'s slim module and the global model whose tensors are
+    all zero except the tier's (placed through the compiler's slice map; BatchNorm variance 1
+    elsewhere). Zero up to rounding means the removed channels and blocks contribute nothing.
+    The tier's BatchNorm statistics are randomised first, so that they are tested too."""
+    slim = compiled[tier].build().eval()
+    for m in slim.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    full = compiled.create_global_model().eval()
+    state = {k: torch.zeros_like(v) for k, v in full.state_dict().items()}
+    steps = set(full.step_keys())
+    for key, entry in compiled[tier].slice_map.items():
+        if key in steps:
+            state[key].fill_(slim.get_parameter(key).item())
+        else:
+            index = full.slice_index(key, slim.state_dict()[key].shape, state[key].shape)
+            state[key][_mesh(index)] = slim.state_dict()[key]
+    for key, value in state.items():
+        if key.endswith("running_var"):
+            value[value == 0] = 1
+    for key in steps - set(compiled[tier].slice_map):  # blocks the tier removed: step 0
+        state[key].zero_()
+    full.load_state_dict(state)
+    return float((full(x) - slim(x)).abs().max())
+
+
+def _mesh(index: tuple) -> tuple:
+    from ..slim.slicemap import SliceEntry
+
+    shape = tuple(i.stop - (i.start or 0) if isinstance(i, slice) else len(i) for i in index)
+    return SliceEntry("", index, shape, "", True)._key

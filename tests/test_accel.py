@@ -1,0 +1,196 @@
+"""Accelerators and batched clients (issue 22): ``train.device``, ``train.precision``,
+device-resident batches and ``train.parallel_clients``, all checked on the CPU."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from typer.testing import CliRunner
+
+from cli.app import app
+from nefl_zoo.fl import batched
+from nefl_zoo.fl.batches import ordered_batches, shuffled_batches
+from nefl_zoo.fl.bn import recompute_bn
+from nefl_zoo.fl.client import fit
+from nefl_zoo.fl.config import load_config, parse_config
+from nefl_zoo.fl.device import DeviceError, Placement, gpu_share, placed, resolve_device
+from nefl_zoo.fl.engine import Engine, resume_config
+from nefl_zoo.fl.methods.fedprox import ProximalLocal
+from nefl_zoo.fl.local import SubmodelLocal
+
+QUICK = "specs/train/digits-quick.yaml"
+# 40 clients of 33 or 34 digits: batches of 32 then 1 (skipped) or 2, so clients of one tier
+# have unequal last batches; lr 0.05 keeps one round's training well-conditioned (see below)
+SMALL = ["clients.num_clients=40", "clients.fraction=0.1", "train.local_epochs=1", "spec.model_args.img_size=8",
+         "train.lr=0.05", "train.momentum=0.5", "train.weight_decay=0.0005", "train.grad_clip=2.0",
+         "clients.groups=[[g0.4], [g1]]", "data.max_test_samples=50", "eval.bn_batches=1"]
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _engine(tmp_path: Path, *overrides: str) -> Engine:
+    return Engine(load_config(QUICK, [*SMALL, *overrides]), tmp_path / "run")
+
+
+def _round(engine: Engine) -> dict[str, torch.Tensor]:
+    """The global state after round 1 from the seeded initial state (no files written)."""
+    torch.manual_seed(engine.config.seed)
+    engine.state = engine.strategy.init_global_state()
+    engine.run_round(0)
+    return engine.state
+
+
+# -- devices --------------------------------------------------------------------------------------
+def test_device_names_resolve_and_an_absent_device_is_refused():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cuda", "mps", "cpu")
+    with pytest.raises(DeviceError, match=r"^cuda:7 asked for, but this machine has (no CUDA GPU|\d+ CUDA GPU)"):
+        resolve_device("cuda:7")
+    with pytest.raises(ValueError, match=r"train\.device: expected auto, cpu, cuda, cuda:N or mps, got 'tpu'"):
+        parse_config({**load_config(QUICK).to_dict(), "train": {"device": "tpu"}}, "x.yaml")
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a CUDA GPU")
+def test_cuda_without_a_gpu_is_a_one_line_cli_error(tmp_path):
+    result = CliRunner().invoke(app, ["train", QUICK, "-o", str(tmp_path / "run"), "--set", "train.device=cuda", "--quiet"])
+    assert result.exit_code == 2
+    assert result.output == f"error: {QUICK}: train.device: cuda asked for, but this machine has no CUDA GPU (use auto or cpu)\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_gpu_share_splits_the_gpus_over_the_clients_training_at_once():
+    assert gpu_share("cuda", 1, 4) == 0.25
+    assert gpu_share("cuda", 2, 8) == 0.25
+    assert gpu_share("cuda", 2, 1) == 1.0
+    assert gpu_share("cpu", 0, 4) == 0.0 and gpu_share("mps", 1, 4) == 0.0
+
+
+def test_batches_models_and_anchors_go_to_the_placement_device(tmp_path):
+    """Plumbing on the meta device (shapes only): both batch paths deliver there, BN recompute
+    moves the net there, and FedProx's anchors move with its model."""
+    data = _engine(tmp_path).data
+    for dataset in (data.client_dataset(0), data.test, data.train_eval):
+        x, y = next(iter(shuffled_batches(dataset, 8, 0, 1, "meta")))
+        assert x.device.type == y.device.type == "meta" and x.shape == (8, 1, 8, 8)
+    x, _ = next(iter(ordered_batches(data.client_dataset(0), 8, "meta")))  # augmented: the DataLoader path
+    assert x.device.type == "meta"
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU())  # BatchNorm reads a count back: not on meta
+    with placed(Placement(torch.device("meta"))):
+        recompute_bn(net, [(torch.zeros(4, 1, 8, 8), None)])
+    assert {t.device.type for t in net.parameters()} == {"meta"}
+    proximal = ProximalLocal(SubmodelLocal(torch.nn.Linear(3, 2)), 0.1).to("meta")
+    assert {t.device.type for t in proximal.buffers()} == {"meta"}
+
+
+# -- device-resident batches and precision ---------------------------------------------------------
+def test_resident_batches_are_the_dataloaders_bit_for_bit(tmp_path):
+    """Digits are cropped on the device tensors with the DataLoader's shuffling and crop offsets."""
+    data = _engine(tmp_path).data
+    for dataset in (data.client_dataset(3), data.train_eval):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(9))
+            expected = [batch for _ in range(2) for batch in loader]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            got = list(shuffled_batches(dataset, 16, 9, 2))
+        assert len(got) == len(expected) > 4
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
+    plain = [x for x, _ in DataLoader(data.test, batch_size=16)]
+    assert all(torch.equal(a, b) for a, (b, _) in zip(plain, ordered_batches(data.test, 16)))
+
+
+def _reference_fit(local, dataset, config) -> dict[str, torch.Tensor]:
+    """Local training as it was before devices and precisions (the DataLoader loop)."""
+    seed = int(config["seed"])
+    params = [p for p in local.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loader = DataLoader(dataset, batch_size=int(config["batch_size"]), shuffle=True, generator=torch.Generator().manual_seed(seed))
+        local.train()
+        for _ in range(int(config["local_epochs"])):
+            for x, y in loader:
+                if len(y) < 2:
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(local(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(params, config["grad_clip"])
+                optimizer.step()
+    return {k: v.detach() for k, v in local.net.state_dict().items()}
+
+
+def test_fp32_is_unchanged_and_bf16_trains_on_the_cpu(tmp_path):
+    engine = _engine(tmp_path)
+    torch.manual_seed(0)
+    instructions = engine.strategy.configure_train(1, engine.strategy.init_global_state(), engine.clients)
+    cid, instruction = next(iter(instructions.items()))
+    data = engine.data.client_dataset(cid)
+    expected = _reference_fit(engine.strategy.local_model(instruction), data, instruction.config)
+    fp32 = fit(engine.strategy.local_model(instruction), data, instruction.config)
+    assert all(torch.equal(fp32.state[k], expected[k]) for k in expected)
+    with placed(Placement(torch.device("cpu"), "bf16")):
+        bf16 = fit(engine.strategy.local_model(instruction), data, instruction.config)
+    assert bf16.state.keys() == fp32.state.keys() and bf16.state["conv1.weight"].dtype == torch.float32
+    assert all(bool(torch.isfinite(v).all()) for v in bf16.state.values() if v.is_floating_point())
+    assert not torch.equal(bf16.state["conv1.weight"], fp32.state["conv1.weight"])  # autocast did run
+    assert abs(bf16.metrics["loss"] - fp32.metrics["loss"]) < 0.05
+
+
+# -- batched clients ------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["nefl", "heterofl", "fedavg"])
+def test_batched_clients_equal_sequential_ones(tmp_path, method, monkeypatch):
+    """One round with its clients trained together equals the sequential round within 1e-5
+    relative (per tensor, max |a - b| / max |b|); at least one group has 2 or more clients."""
+    sizes = []
+    real = batched.fit_together
+    monkeypatch.setattr(batched, "fit_together", lambda locals_, *a: sizes.append(len(locals_)) or real(locals_, *a))
+    sequential = _round(_engine(tmp_path, f"method={method}"))
+    together = _round(_engine(tmp_path, f"method={method}", "train.parallel_clients=4"))
+    assert sizes and max(sizes) >= 2
+    assert sequential.keys() == together.keys()
+    for k, b in sequential.items():
+        a = together[k]
+        if not b.is_floating_point():
+            assert torch.equal(a, b), k
+        else:
+            assert float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1e-12), k
+
+
+def test_a_method_that_cannot_batch_says_so_once_and_trains_sequentially(tmp_path, caplog):
+    batched._said.clear()
+    sequential = _round(_engine(tmp_path, "method=fedprox"))
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.batched"):
+        together = _round(_engine(tmp_path, "method=fedprox", "train.parallel_clients=4"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["fedprox: clients train one at a time, not batched: its client model (ProximalLocal) has a loss "
+                     "that is not a pure function of its tensors"]
+    assert all(torch.equal(together[k], sequential[k]) for k in sequential)
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def test_resume_after_a_device_change_is_bit_identical(tmp_path):
+    common = [*SMALL, "rounds=2", "checkpoint_every=1", "eval.every=2", "clients.fraction=0.05"]
+    straight = Engine(load_config(QUICK, [*common, "train.device=cpu"]), tmp_path / "straight")
+    straight.run()
+    first = Engine(load_config(QUICK, [*common, "train.device=auto", "rounds=1"]), tmp_path / "resumed")
+    first.run()
+    data = resume_config(tmp_path / "resumed").to_dict()
+    data["rounds"], data["train"]["device"] = 2, "cpu"
+    resumed = Engine(parse_config(data, "resumed"), tmp_path / "resumed")
+    resumed.run(resume=True)
+    assert resumed.state.keys() == straight.state.keys()
+    assert all(torch.equal(resumed.state[k], straight.state[k]) for k in straight.state)
+    assert all(v.device.type == "cpu" for v in resumed.state.values())

@@ -1,0 +1,128 @@
+"""FedLPS's tasks from folders (``data.dataset: tasks``): MNIST, FashionMNIST, SVHN and CIFAR-10
+read with torchvision's loaders from tiny files this test writes in their on-disk formats, as
+one dataset whose tasks never share images, and one FedLPS round on them."""
+
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from nefl_zoo.fl.data import DatasetNotFoundError, load_data
+from nefl_zoo.fl.engine import Engine
+
+from .conftest import tiny
+
+torch.set_num_threads(1)
+N_TRAIN, N_TEST = 20, 6
+TASKS = [{"name": n, "labels": list(range(10 * k, 10 * k + 10))} for k, n in enumerate(["mnist", "fashionmnist", "svhn", "cifar10"])]
+
+
+def _pixels(name: str, n: int, split: int) -> np.ndarray:
+    """Image i of a split: every pixel the same value, ``(7 * i + 31 * split + len(name)) % 256``."""
+    return (7 * np.arange(n) + 31 * split + len(name)) % 256
+
+
+def _labels(n: int, split: int) -> np.ndarray:
+    return (np.arange(n) * 3 + split) % 10
+
+
+def _write_idx(folder, prefix: str, name: str, n: int, split: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    images = np.repeat(_pixels(name, n, split), 28 * 28).astype(np.uint8)
+    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes())
+    (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + _labels(n, split).astype(np.uint8).tobytes())
+
+
+def write_sources(root) -> None:
+    """Tiny MNIST, FashionMNIST (idx files), SVHN (.mat) and CIFAR-10 (pickled batches) in ``root``."""
+    from scipy.io import savemat
+
+    for name, folder in (("mnist", "MNIST"), ("fashionmnist", "FashionMNIST")):
+        for split, prefix, n in ((0, "train", N_TRAIN), (1, "t10k", N_TEST)):
+            _write_idx(root / folder / "raw", prefix, name, n, split)
+    for split, file, n in ((0, "train_32x32.mat", N_TRAIN), (1, "test_32x32.mat", N_TEST)):
+        x = np.broadcast_to(_pixels("svhn", n, split).astype(np.uint8), (32, 32, 3, n)).copy()
+        y = _labels(n, split).reshape(-1, 1)
+        savemat(str(root / file), {"X": x, "y": np.where(y == 0, 10, y).astype(np.uint8)})  # SVHN stores digit 0 as 10
+    batches = root / "cifar-10-batches-py"
+    batches.mkdir()
+    per = N_TRAIN // 5
+    for b in range(5):
+        idx = np.arange(b * per, (b + 1) * per)
+        data = np.repeat(_pixels("cifar10", N_TRAIN, 0)[idx], 3072).reshape(per, 3072).astype(np.uint8)
+        (batches / f"data_batch_{b + 1}").write_bytes(pickle.dumps({"data": data, "labels": _labels(N_TRAIN, 0)[idx].tolist()}))
+    data = np.repeat(_pixels("cifar10", N_TEST, 1), 3072).reshape(N_TEST, 3072).astype(np.uint8)
+    (batches / "test_batch").write_bytes(pickle.dumps({"data": data, "labels": _labels(N_TEST, 1).tolist()}))
+    (batches / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}))
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """The four datasets in ``tmp_path``; torchvision's MD5 checks (of the real files) skipped."""
+    import os
+
+    from torchvision.datasets import cifar, svhn
+
+    for module in (cifar, svhn):
+        monkeypatch.setattr(module, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+    write_sources(tmp_path)
+    return tmp_path
+
+
+def config(root, **overrides):
+    spec = {"model": "resnet20", "model_args": {"in_chans": 3, "img_size": 8, "num_classes": 40},
+            "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}
+    args = dict(method="fedlps", spec=spec, data={"dataset": "tasks", "root": str(root), "augment": False},
+                method_args={"levels": [0.0, 0.8], "tasks": TASKS}, clients__num_clients=2, clients__environment="fixed",
+                train__local_epochs=1, train__batch_size=8, rounds=1, eval__every=1, eval__bn="recompute", eval__bn_batches=4)
+    return tiny(**(args | overrides))
+
+
+def test_four_datasets_load_as_one_with_their_own_labels_and_statistics(sources):
+    cfg = config(sources)
+    data = load_data(cfg.data, cfg.data_root(), (3, 8, 8), 2, cfg.seed)
+    assert data.num_classes == 40 and len(data.train) == 4 * N_TRAIN and len(data.test) == 4 * N_TEST
+    expected = np.concatenate([_labels(N_TRAIN, 0) + 10 * k for k in range(4)])
+    assert np.array_equal(data.targets, expected)  # SVHN's stored 10 is digit 0
+    for k, (name, mean, std) in enumerate([("mnist", 0.1307, 0.3081), ("fashionmnist", 0.2860, 0.3530),
+                                           ("svhn", 0.4728, 0.1970), ("cifar10", 0.4465, 0.2616)]):
+        i = 3  # the 4th image of each dataset: constant pixels, so the resize keeps the value
+        x, y = data.train[k * N_TRAIN + i]
+        assert x.shape == (3, 8, 8) and y == expected[k * N_TRAIN + i]
+        value = _pixels(name, N_TRAIN, 0)[i] / 255
+        torch.testing.assert_close(x[2], torch.full((8, 8), (value - mean) / std), atol=1e-5, rtol=0)  # the last channel's stats
+        _, y_test = data.test[k * N_TEST + 1]
+        assert y_test == _labels(N_TEST, 1)[1] + 10 * k
+
+    strategy = cfg.build_strategy()
+    for part in data.partitions:  # every client image goes to the task of its own dataset, and to no other
+        routes = strategy.taskset.route(torch.as_tensor(data.targets[part]))
+        source = {t: set((part[r.numpy()] // N_TRAIN).tolist()) for t, (r, _) in routes.items()}
+        assert all(source[t["name"]] == {k} for k, t in enumerate(TASKS) if t["name"] in source)
+        assert sum(len(r) for r, _ in routes.values()) == len(part)
+
+
+def test_fedlps_trains_the_four_datasets_as_tasks(sources, tmp_path):
+    result = Engine(config(sources), tmp_path / "run").run()
+    assert set(result.acc) == {"mnist", "fashionmnist", "svhn", "cifar10"} and all(0 <= a <= 1 for a in result.acc.values())
+
+
+def test_a_missing_dataset_names_its_folder_and_files(tmp_path):
+    cfg = config(tmp_path, data={"dataset": "tasks", "root": str(tmp_path), "task_datasets": ["fashionmnist"]})
+    with pytest.raises(DatasetNotFoundError, match=r"fashionmnist not found in .*FashionMNIST/raw/"):
+        load_data(cfg.data, cfg.data_root(), (3, 8, 8), 2, cfg.seed)
+
+
+def test_the_shipped_folders_config_numbers_its_tasks_as_the_data_does():
+    from pathlib import Path
+
+    from nefl_zoo.fl.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "specs" / "train" / "folders-fedlps.yaml")
+    strategy = cfg.build_strategy()
+    assert strategy.tasks == cfg.data.task_datasets and cfg.data.public_fraction > 0
+    assert [t.labels for t in strategy.settings.tasks] == [list(range(10 * k, 10 * k + 10)) for k in range(4)]  # load_sources' order
+    kept = sum(p.numel() for p in strategy.predictor("svhn", strategy.level_masks("g0.2"))[0].parameters())
+    assert kept / sum(p.numel() for p in strategy.predictor("svhn")[0].parameters()) < 0.05  # ResNet18 at rho 0.8: about 4%
