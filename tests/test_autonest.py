@@ -235,3 +235,15 @@ def test_channel_splits_and_slices_are_recut_in_kept_channels_and_a_shuffle_is_r
         create_model(shuffle, gamma_w=0.5)
     with pytest.raises(SpecError, match=r"^x.yaml: tiers\[1\].gamma_w: view: a view that splits the channels"):
         parse_spec({"model": shuffle, "tiers": [{"name": "full"}, {"name": "half", "gamma_w": 0.5}]}, "x.yaml")
+
+
+@pytest.mark.parametrize("method", ["fedgh", "depthfl", "fedlps"])
+def test_methods_that_split_the_network_refuse_an_automatically_nested_one_in_one_line(method):
+    from nefl_zoo.fl.config import load_config
+
+    extra = ["method_args.levels=[0.0, 0.4, 0.8]"] if method == "fedlps" else []
+    config = load_config("specs/train/digits-auto-resnet18.yaml", [f"method={method}", "spec.model_args.img_size=8", *extra])
+    with pytest.raises(ValueError, match=rf"^{method}: torchvision:resnet18 runs only whole \(nested automatically\), "
+                                         rf"but {method} needs its stages and head apart; use a zoo model") as refused:
+        config.build_strategy()
+    assert "\n" not in str(refused.value)

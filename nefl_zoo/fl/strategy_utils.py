@@ -71,6 +71,14 @@ def reply_weight(run: Run, reply: Reply, default: str = "clients") -> float:
 
 
 # -- resource levels and specs -----------------------------------------------------------------
+def require_parts(net: nn.Module, method: str, model: str) -> None:
+    """A one-line ``ValueError`` unless ``net`` runs its stem, stages and head apart (what
+    FedGH's extractor, DepthFL's exits and FedLPS's encoder/predictors split)."""
+    if not getattr(net, "runs_in_parts", True):
+        raise ValueError(f"{method}: {model} runs only whole (nested automatically), but {method} needs its stages and head "
+                         "apart; use a zoo model (`nefl-zoo models`)")
+
+
 def level_sizes(compiled: CompiledSpec) -> dict[str, int]:
     """Elements of each tier of ``compiled`` (a resource level when it is the run spec), in spec order."""
     return {name: ct.slice_map.numel() for name, ct in compiled.tiers.items()}

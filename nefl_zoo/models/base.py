@@ -96,6 +96,9 @@ class NestedNet(nn.Module):
     feature_info: list[dict]
     default_cfg: dict
     norm_types: tuple[type, ...] = (nn.BatchNorm2d, nn.LayerNorm)
+    #: the stem, stages and head run apart (``forward_stem``, ``forward_stage``, ``forward_head``);
+    #: False for a network that only runs whole (automatically nested graphs)
+    runs_in_parts: bool = True
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -78,9 +78,7 @@ class AutoNestedNet(NestedNet):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._graph_forward(self, x)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Not split off: an automatically nested network runs whole (:meth:`forward`)."""
-        raise NotImplementedError("automatically nested networks run whole (forward); no features/head split")
+    runs_in_parts = False  # the traced graph runs whole (forward); no stem/stages/head apart
 
     def residual_blocks(self) -> Iterator[tuple[int, int, BlockView]]:
         nodes = {n.name: n for n in self.plan.graph.nodes}

@@ -31,7 +31,7 @@ from ..feddyn import FedDynLocal, client_update, server_update
 from ..local import LocalModel, load_entries
 from ..registry import register_method
 from ..strategy import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
-from ..strategy_utils import Nested, fit_reply, level_sizes, module_macs
+from ..strategy_utils import Nested, fit_reply, level_sizes, module_macs, require_parts
 
 EXIT_PREFIX = "exits"
 ENSEMBLE = "ensemble"
@@ -232,6 +232,7 @@ class Prefixes:
         self.compiled: CompiledSpec = compile_spec(SubmodelSpec(model=spec.model, model_args=spec.model_args, tiers=tiers, inconsistent=[]))
         with torch.device("meta"):
             net = self.compiled.create_global_model()
+            require_parts(net, "depthfl", spec.model)
             features = net.forward_intermediates(torch.empty(2, *self.compiled.input_size), intermediates_only=True)
         if any(f.ndim != 4 for f in features):
             raise ValueError(f"depthfl needs a model whose stages output feature maps (a ResNet), got {spec.model}")

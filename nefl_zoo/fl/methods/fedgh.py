@@ -31,7 +31,7 @@ from ..device import placement
 from ..local import LocalModel
 from ..registry import register_method
 from ..strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
-from ..strategy_utils import fit_reply, largest, level_sizes, mean_accuracy_per_level, sample_clients, train_config
+from ..strategy_utils import fit_reply, largest, level_sizes, mean_accuracy_per_level, require_parts, sample_clients, train_config
 
 HEADER = ("header.weight", "header.bias")
 GLOBAL_HEADER = "global_header"
@@ -85,6 +85,8 @@ class FedGH(Strategy):
     def __init__(self, run: Run, settings: FedGHSettings | None = None):
         super().__init__(run, settings)
         self.compiled: CompiledSpec = compile_spec(run.spec)
+        with torch.device("meta"):
+            require_parts(self.compiled.create_global_model(), "fedgh", run.spec.model)
         self.level_size = level_sizes(self.compiled)
         self.num_classes = self.compiled.num_classes
         tiers = tuple(self.compiled.tiers)

@@ -18,7 +18,7 @@ from ...aggregate import Update, check_update
 from ...bn import recompute_batches
 from ...registry import register_method
 from ...strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
-from ...strategy_utils import evaluate_treatments, fit_reply, largest, level_sizes, sample_clients, train_config
+from ...strategy_utils import evaluate_treatments, fit_reply, largest, level_sizes, require_parts, sample_clients, train_config
 from .networks import Encoder, MultiTask, Predictor, evaluate_tasks, load_backbone, norm_modules, with_task_bn
 from .pruning import Masks, Pruning
 from .tasks import DIGIT_GROUPS, TaskSet, TaskSpec, check_tasks, dataset_labels
@@ -82,6 +82,7 @@ class FedLPS(Strategy):
         self.tasks, self.task_classes = self.taskset.names, self.taskset.classes
 
         self.backbone = load_backbone(spec, run.seed, s.pretrained, s.backbone, s.backbone_args)
+        require_parts(self.backbone, "fedlps", s.backbone or spec.model)
         blocks = list(self.backbone.residual_blocks())
         n = math.ceil(s.encoder_fraction * len(blocks) - 1e-9)
         if n >= len(blocks):
