@@ -6,6 +6,7 @@ import copy
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,7 +16,7 @@ from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
 
 from nefl_zoo_cli.app import app
-from nefl_zoo.fl.compare import Entry, entry_config, parse_entry, results_table
+from nefl_zoo.fl.compare import Entry, entry_config, flatness, parse_entry, results_table
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
 from nefl_zoo.fl.strategy import Reply
@@ -279,6 +280,21 @@ def test_results_table_pairs_seeds_and_counts_nefl_wins():
     assert "| HeteroFL | 4.00 ± 5.57 (2/3) |" in table
     assert "| resnet20 | NeFL | 60.00 ± 10.00 | 75.00 ± 5.00 |" in table
     assert "**recompute**" not in table
+
+
+def test_a_curve_is_flat_when_its_last_change_is_within_the_seed_std_or_the_test_sets_standard_error():
+    rounds = np.array([30, 35, 40])
+    # seeds agree closely (std 0.1): the test set's resolution decides; at 95%, 450 images give
+    # sqrt(0.95 * 0.05 / 450) = 1.03 points, so a 0.5-point change is flat and a 1.5-point one not
+    agree = np.array([[90.0, 94.5, 95.0], [90.0, 94.5, 95.1], [90.0, 94.5, 94.9]])
+    change, noise = flatness((rounds, agree), test_images=450)
+    assert change == pytest.approx(0.5) and noise == pytest.approx(100 * math.sqrt(0.95 * 0.05 / 450))
+    rising = agree + np.array([0.0, -1.0, 0.0])
+    change, noise = flatness((rounds, rising), 450)
+    assert change == pytest.approx(1.5) and noise < change
+    # seeds disagree: their std (sample, ddof 1) is the noise
+    spread = np.array([[80.0, 88.0, 90.0], [80.0, 92.0, 94.0], [80.0, 84.0, 86.0]])
+    assert flatness((rounds, spread), 450) == pytest.approx((2.0, 4.0))
 
 
 # -- the comparison's NeFL specs -------------------------------------------------------------

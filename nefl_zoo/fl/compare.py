@@ -204,13 +204,16 @@ def curves(out: Path, entries: list[Entry], seeds: list[int], treatment: str) ->
     return out_curves
 
 
-def flatness(curve: tuple[np.ndarray, np.ndarray], window: int = 5) -> tuple[float, float]:
-    """(change of the seed-mean worst-case accuracy over the last ``window`` rounds, seed std at
-    the end): a curve has flattened when the first is below the second."""
+def flatness(curve: tuple[np.ndarray, np.ndarray], test_images: int, window: int = 5) -> tuple[float, float]:
+    """(change of the seed-mean worst-case accuracy over the last ``window`` rounds, its noise):
+    a curve has flattened when the change is within the noise, the larger of the seed std at the
+    end and the binomial standard error of one evaluation on ``test_images`` images (points)."""
     rounds, acc = curve
     mean = acc.mean(0)
     earlier = int(np.searchsorted(rounds, rounds[-1] - window))
-    return float(abs(mean[-1] - mean[earlier])), float(acc[:, -1].std(ddof=1)) if len(acc) > 1 else 0.0
+    p = mean[-1] / 100
+    std = float(acc[:, -1].std(ddof=1)) if len(acc) > 1 else 0.0
+    return float(abs(mean[-1] - mean[earlier])), max(std, 100 * float(np.sqrt(p * (1 - p) / test_images)))
 
 
 _SIZES: dict[tuple, list[int]] = {}
