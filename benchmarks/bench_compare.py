@@ -72,7 +72,8 @@ def flatness_table(out: Path, config, rows: list[Entry], seeds: int) -> str:
         for e in rows:
             change, noise = flatness(found[e.key], images)
             acc = found[e.key][1][:, -1]
-            lines.append(f"| {e.label} | {treatment} | {acc.mean():.2f} | {change:.2f} | {acc.std(ddof=1):.2f} | {noise:.2f} | "
+            std = acc.std(ddof=1) if len(acc) > 1 else 0.0
+            lines.append(f"| {e.label} | {treatment} | {acc.mean():.2f} | {change:.2f} | {std:.2f} | {noise:.2f} | "
                          f"{'yes' if change <= noise else 'no'} |")
     return "\n".join(lines)
 
