@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-SOURCES = ("mnist", "fashionmnist", "svhn", "cifar10")
 EXPECTED = {
     "mnist": "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
     "fashionmnist": "FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
@@ -89,7 +88,7 @@ def _labels(dataset) -> np.ndarray:
 
 def load_sources(names: list[str], root: Path, input_size: tuple[int, int, int], augment: bool):
     """``(train, train_eval, test, targets, num_classes)`` of the datasets ``names`` (of
-    :data:`SOURCES`, 10 classes each) read from ``root`` as one, labels numbered in order."""
+    :data:`~nefl_zoo.fl.settings.TaskSource`, 10 classes each) read from ``root`` as one, labels numbered in order."""
     train, train_eval, test = [], [], []
     for k, name in enumerate(names):
         tr, te = _read(name, root, True), _read(name, root, False)

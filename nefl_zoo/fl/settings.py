@@ -8,9 +8,12 @@ method reads are that method's own pydantic model (``method_args``), not fields 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+TaskSource = Literal["mnist", "fashionmnist", "svhn", "cifar10"]  # datasets ``dataset: tasks`` reads (:mod:`.multidata`)
 
 
 class Strict(BaseModel):
@@ -23,8 +26,8 @@ class DataConfig(Strict):
     """Dataset, preprocessing and partition over clients."""
 
     dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder", "tasks"] = "digits"
-    task_datasets: list[Literal["mnist", "fashionmnist", "svhn", "cifar10"]] = Field(
-        ["mnist", "fashionmnist", "svhn", "cifar10"], min_length=1,
+    task_datasets: list[TaskSource] = Field(
+        list(get_args(TaskSource)), min_length=1,
         description="dataset: tasks: these datasets from root as one, labels numbered one after another (FedLPS's tasks)")
     public_fraction: float = Field(0.0, ge=0, lt=1, description="share of the training images held out (stratified) "
                                    "before partitioning, held by no client (FedLPS pre-trains its backbone on it)")
