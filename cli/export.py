@@ -24,6 +24,13 @@ class Precision(str, Enum):
     fp16 = "fp16"
 
 
+class ExportFormat(str, Enum):
+    """What export writes (nefl_zoo.manifest.FORMATS)."""
+
+    nested = "nested"
+    files = "files"
+
+
 class PadChannels(str, Enum):
     """--pad-channels: auto, or the multiple inner channel counts are padded to (1: none)."""
 
@@ -79,6 +86,11 @@ def export(
     seed: int = typer.Option(0, help="spec sources without --pretrained: seed of the random weights"),
     latency_runs: int = typer.Option(20, help="timed runs per tier (median)"),
     threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the latency (default: per core)"),
+    export_format: ExportFormat = typer.Option(
+        ExportFormat.nested, "--format",
+        help="nested: one package, the shared tensors once per precision and each tier's graph and own tensors "
+        "(every tier for about the bytes of the largest); files: one self-contained .onnx file per tier and precision",
+    ),
     pad_channels: PadChannels = typer.Option(
         PadChannels.auto,
         help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths); "
@@ -86,7 +98,8 @@ def export(
     ),
     as_json: bool = json_option(),
 ) -> None:
-    """Export every tier to one verified .onnx file per precision, plus manifest.json."""
+    """Export every tier, verified, as one nested package (default) or one .onnx file per tier and
+    precision, plus manifest.json."""
     from nefl_zoo.export import ExportError, export_tiers, load_source
     from nefl_zoo.spec import SpecError
 
@@ -110,7 +123,7 @@ def export(
                 latency_runs=latency_runs, threads=threads,
                 channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value),
                 precisions=precision, calibration=images, calibration_source=str(calibration),
-                calibration_images=calibration_images, warn=warn,
+                calibration_images=calibration_images, warn=warn, format=export_format.value,
             )
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
@@ -133,6 +146,10 @@ def export(
             ("-" if t.channel_align == 1 else str(t.channel_align)) + (f" (auto; {tried})" if tried else ""),
         )
     console().print(table)
+    if manifest.format == "nested":
+        for precision, shared in manifest.shared.items():
+            own = sum(t.tensors.bytes + (out / t.file).stat().st_size for t in manifest.tiers if t.precision == precision)
+            typer.echo(f"nested {precision}: {shared.bytes + own:,} bytes for every tier ({shared.file} {shared.bytes:,} + {own:,} per tier)")
     typer.echo(f"wrote {out / 'manifest.json'}")
 
 
@@ -149,12 +166,17 @@ def _calibration_images(folder: Path, shape, dataset: str | None):
 
 def select(
     manifest: Path = typer.Argument(..., help="manifest.json or the export directory"),
-    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", "--max-ms", help="latency budget (ms, as measured at export)"),
+    latency_ms: Optional[float] = typer.Option(
+        None, "--latency-ms", "--max-ms", help="latency budget (ms, as measured at export, or on the device with --latency-table)"
+    ),
+    latency_table: Optional[Path] = typer.Option(
+        None, "--latency-table", help="the device's latencies (`python -m nefl_zoo.runtime bench --out FILE`), read at --batch"
+    ),
     max_mb: Optional[float] = typer.Option(None, "--max-mb", help="file size budget (MB of the .onnx file)"),
     max_macs: Optional[float] = typer.Option(None, help="MACs budget"),
     max_params: Optional[float] = typer.Option(None, help="parameter budget"),
     max_memory_mb: Optional[float] = typer.Option(None, help="memory budget (MB: weights + activations)"),
-    batch: int = typer.Option(1, help="batch for the memory estimate"),
+    batch: int = typer.Option(1, help="batch for the memory estimate (and the --latency-table latency)"),
     precision: Optional[str] = typer.Option(
         None, "--precision", click_type=PRECISION_LIST, help="comma-separated precisions to choose from (default: all)"
     ),
@@ -163,18 +185,26 @@ def select(
     """Pick the most accurate (else largest) tier and precision within the budget, and say why."""
     from nefl_zoo.manifest import ManifestError
     from nefl_zoo.runtime import NoTierFits, TierRuntime
+    from nefl_zoo.runtime.latency import load_latency_table
 
     require_budget(latency_ms=latency_ms, max_mb=max_mb, max_macs=max_macs, max_params=max_params, max_memory_mb=max_memory_mb)
     require_positive(batch=batch)
     with user_errors(ManifestError):
         runtime = TierRuntime(manifest)
+        latencies, source = None, "on export"
+        if latency_table is not None:
+            table = load_latency_table(latency_table)
+            latencies, source = table.for_batch(batch), table.measured_on
+            table.check_matches(runtime.manifest, batch, [t.label for t in runtime.entries(precision or None)])
         try:
             choice = runtime.select(
-                latency_ms, max_macs, max_params, max_memory_mb, batch=batch, max_file_mb=max_mb, precisions=precision or None
+                latency_ms, max_macs, max_params, max_memory_mb, batch=batch, max_file_mb=max_mb,
+                precisions=precision or None, latencies=latencies, latency_source=source,
             )
         except NoTierFits as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(NO_FIT) from None
+        runtime.session(choice.label)  # what is recommended must load: hash-checked, self-contained
     if as_json:
         print_json({
             "tier": choice.tier, "precision": choice.precision, "label": choice.label,

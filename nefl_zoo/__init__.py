@@ -2,11 +2,17 @@
 
 Attributes are imported lazily so that ``import nefl_zoo`` (and ``nefl_zoo.runtime``, which
 needs only numpy and onnxruntime) does not import torch.
+
+``nefl_zoo.nest`` is the function :func:`nefl_zoo.nest.nest` (as the README writes it,
+``nz.nest(module, example_input)``), even once the subpackage of that name is imported: the
+subpackage is reached by importing from it (``from nefl_zoo.nest import NestError``).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -25,6 +31,8 @@ _EXPORTS = {
     "extract": "nefl_zoo.slim",
     "scatter_": "nefl_zoo.slim",
     "auto_tier": "nefl_zoo.auto",
+    "nest": "nefl_zoo.nest",
+    "NestError": "nefl_zoo.nest",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -34,3 +42,15 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'nefl_zoo' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the import system's setting of a subpackage that shares an
+    exported name (``nest``) as an attribute is ignored, so the name stays the export."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -4,10 +4,17 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 2 (every field required unless marked nullable or defaulted; every number
-finite); version 1 (before precisions) is read as well, every entry being FP32::
+Schema version 3 (every field required unless marked nullable or defaulted; every number
+finite); versions 2 (before nested packages) and 1 (before precisions, every entry FP32) are
+read as well::
 
-    schema_version   2 (1 is still read)
+    schema_version   3 (1 and 2 are still read)
+    format           "files" (default: one self-contained .onnx file per entry) or "nested"
+                     (one package: the shared tensors once per precision, and per entry a
+                     weights-free graph plus its per-tier tensors and slice map; see
+                     nefl_zoo.runtime.nested)
+    shared           nested only: {precision: {file, sha256, bytes}}, the global model's
+                     shared tensors at that precision (a .safetensors file)
     model            zoo model name; model_args: its create_model kwargs
     source           what was exported (spec file or run directory)
     created_by       "nefl-zoo VERSION"
@@ -19,7 +26,9 @@ finite); version 1 (before precisions) is read as well, every entry being FP32::
     output           name, num_classes
     class_names      list (nullable)
     tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
-                     "fp16"; default fp32), file (relative to the manifest), sha256,
+                     "fp16"; default fp32), file (relative to the manifest; nested: the
+                     weights-free graph), sha256, tensors (nested only: {file, sha256,
+                     bytes} of its per-tier tensors and slice map),
                      params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
                      gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
                      (nullable: what accuracy was measured on; null = the source run's
@@ -31,7 +40,8 @@ finite); version 1 (before precisions) is read as well, every entry being FP32::
                      vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
                      max_abs_diff, relative_error} against the tier's FP32 file),
                      calibration (nullable; INT8: {method, images, source}),
-                     weights_mb (the file's bytes / 2**20), activation_mb_per_sample,
+                     weights_mb (the self-contained model's bytes / 2**20: what a session
+                     holds), activation_mb_per_sample,
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
                      cpu_count, onnxruntime, provider}}
@@ -55,11 +65,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before precisions (every entry FP32)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: before precisions (every entry FP32); 2: before nested packages
 MANIFEST_NAME = "manifest.json"
 Precision = Literal["fp32", "int8", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+Format = Literal["files", "nested"]
+FORMATS: tuple[str, ...] = get_args(Format)
 
 
 class ManifestError(FileError):
@@ -154,6 +166,14 @@ class Calibration(_Strict):
     source: str
 
 
+class PackageFile(_Strict):
+    """One file of a nested package, next to the manifest."""
+
+    file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(onnx|safetensors)$", description="next to the manifest")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: Count
+
+
 class TierEntry(_Strict):
     """One exported (tier, precision): its file, what it costs and how it was checked."""
 
@@ -161,6 +181,7 @@ class TierEntry(_Strict):
     precision: Precision = "fp32"
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tensors: PackageFile | None = Field(None, description="nested only: the per-tier tensors and slice map")
     params: Count
     params_ratio: NonNegative
     macs: Count
@@ -197,7 +218,9 @@ class TierEntry(_Strict):
 class Manifest(_Strict):
     """All tiers of one exported model."""
 
-    schema_version: Literal[1, 2]
+    schema_version: Literal[1, 2, 3]
+    format: Format = "files"
+    shared: dict[Precision, PackageFile] | None = Field(None, description="nested only: shared tensors per precision")
     model: str
     model_args: dict[str, Any]
     source: str
@@ -230,7 +253,30 @@ class Manifest(_Strict):
             if self.schema_version == 1 and entry.precision != "fp32":
                 raise field_error(f"tiers[{t}].precision", "schema version 1 has FP32 entries only")
             labels.add(entry.label)
+        self._check_format()
         return self
+
+    def _check_format(self) -> None:
+        """A nested manifest (version 3) names its shared file per precision and every
+        entry's tensors; a files manifest names neither."""
+        nested = self.format == "nested"
+        if nested and self.schema_version < 3:
+            raise field_error("format", f"nested packages need schema version 3, got {self.schema_version}")
+        if nested != (self.shared is not None):
+            raise field_error("shared", "required for format nested" if nested else "only for format nested")
+        for t, entry in enumerate(self.tiers):
+            if nested != (entry.tensors is not None):
+                raise field_error(f"tiers[{t}].tensors", "required for format nested" if nested else "only for format nested")
+            if nested and entry.precision not in self.shared:
+                raise field_error(f"tiers[{t}].precision", f"{entry.precision}: no shared tensors for it (shared has {', '.join(self.shared)})")
+        if not nested:
+            return
+        files = [e.file for e in self.tiers] + [e.tensors.file for e in self.tiers if e.tensors] + [s.file for s in (self.shared or {}).values()]
+        seen: set[str] = set()
+        for name in files:
+            if name in seen or name == MANIFEST_NAME:
+                raise field_error("tiers", f"file {name} is named twice; every entry needs files of its own")
+            seen.add(name)
 
     def tier(self, name: str, precision: str | None = None) -> TierEntry:
         """The entry of tier ``name`` at ``precision``; without one, the entry labelled
@@ -259,7 +305,7 @@ def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
     if version is None:
         raise ManifestError(source, "schema_version", MISSING_KEY)
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        readable = " and ".join(map(str, READABLE_VERSIONS))
+        readable = ", ".join(map(str, READABLE_VERSIONS[:-1])) + f" and {READABLE_VERSIONS[-1]}"
         raise ManifestError(
             source,
             "schema_version",

@@ -61,7 +61,11 @@ def image(tmp_path):
 def test_export_writes_only_the_requested_tiers(export_dir):
     manifest = load_manifest(export_dir)
     assert [t.name for t in manifest.tiers] == ["g0.25", "g1"]
-    assert sorted(p.name for p in export_dir.iterdir()) == ["g0.25.onnx", "g1.onnx", "manifest.json"]
+    assert manifest.format == "nested"  # the default
+    assert sorted(p.name for p in export_dir.iterdir() if not p.name.startswith(".")) == [
+        "g0.25.fp32.graph.onnx", "g0.25.fp32.tensors.safetensors", "g1.fp32.graph.onnx", "g1.fp32.tensors.safetensors",
+        "manifest.json", "shared.fp32.safetensors",
+    ]
     assert manifest.class_names[0] == "airplane"
 
 
@@ -69,7 +73,8 @@ def test_export_with_a_fixed_batch(spec_file, tmp_path, image):
     out = tmp_path / "fixed"
     (out / ".export-killed").mkdir(parents=True)  # what an export killed mid-way leaves behind
     (out / ".export-killed" / ".lock").write_text("")
-    result = invoke("export", spec_file, "--out", out, "--tiers", "g0.25", "--no-batch-dynamic", "--batch", "2", "--latency-runs", "1")
+    result = invoke("export", spec_file, "--out", out, "--tiers", "g0.25", "--no-batch-dynamic", "--batch", "2", "--latency-runs", "1",
+                    "--format", "files")
     assert result.exit_code == 0, result.output
     manifest = load_manifest(out)
     assert manifest.input.batch == 2 and manifest.tiers[0].latency.batch == 2
@@ -158,9 +163,9 @@ def test_predict_refuses_unreadable_images_and_unknown_tiers(export_dir, tmp_pat
 
 def test_predict_refuses_a_tampered_tier(export_dir, tmp_path, image):
     copy = shutil.copytree(export_dir, tmp_path / "copy")
-    with open(copy / "g1.onnx", "ab") as f:
+    with open(copy / "g1.fp32.tensors.safetensors", "ab") as f:
         f.write(b"\0")
-    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "g1.onnx: sha256")
+    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "g1.fp32.tensors.safetensors: sha256")
     assert invoke("predict", copy, image, "--tier", "g0.25").exit_code == 0
 
 

@@ -130,7 +130,7 @@ def test_each_tier_uses_its_own_inconsistent_parameters(resnet_run):
 def test_manifest_records_costs_accuracy_dataset_and_latency(resnet_run):
     compiled, _, _, manifest = resnet_run
     profiles = {p.name: p for p in profile_tiers(compiled)}
-    assert manifest.schema_version == 2 and manifest.model == "resnet20"
+    assert manifest.schema_version == 3 and manifest.model == "resnet20"
     assert manifest.input.shape == [3, 32, 32] and manifest.input.batch is None
     assert manifest.input.dataset == "cifar10"
     assert manifest.input.normalization.mean == pytest.approx([0.4914, 0.4822, 0.4465])
@@ -326,7 +326,7 @@ def test_check_single_file_reads_the_opset_and_refuses_external_data():
     assert verify.check_single_file("t", tiny_onnx(18), 18) == 18
     with pytest.raises(ExportError, match=r"^tier t: asked for opset 18, the exporter wrote 17$"):
         verify.check_single_file("t", tiny_onnx(17), 18)
-    with pytest.raises(ExportError, match=r"^tier t: the exporter wrote external data; expected one file$"):
+    with pytest.raises(ExportError, match=r"^tier t: the exporter wrote tensor w as external data; expected one file$"):
         verify.check_single_file("t", tiny_onnx(17, external=True), None)
 
 

@@ -73,7 +73,7 @@ def run(tmp_path_factory):
     (path / "config.yaml").write_text(yaml.safe_dump({"data": DATA}))
     out = tmp_path_factory.mktemp("export")
     result = invoke("export", path, "-o", out, "--tiers", "full", "--precision", "fp32,int8,fp16", "--calibration-images", "64",
-                    "--latency-runs", "2", "--threads", "1", "--pad-channels", "1", "--json")
+                    "--latency-runs", "2", "--threads", "1", "--pad-channels", "1", "--format", "files", "--json")
     assert result.exit_code == 0, result.output
     return compiled, state, out, json.loads(result.stdout), (test, labels), path
 
@@ -82,7 +82,7 @@ def test_every_tier_ships_one_checked_file_per_precision(run):
     _, _, out, printed, _, _ = run
     manifest = load_manifest(out)
     assert printed["manifest"] == json.loads((out / "manifest.json").read_text()) and printed["warnings"] == []
-    assert manifest.schema_version == 2
+    assert manifest.schema_version == 3
     assert [(t.name, t.precision, t.file) for t in manifest.tiers] == [
         ("full", p, f"full.onnx" if p == "fp32" else f"full.{p}.onnx") for p in ("fp32", "int8", "fp16")
     ]
@@ -172,7 +172,7 @@ def test_a_file_that_fails_the_check_is_dropped_with_a_warning(tmp_path, monkeyp
     spec = tmp_path / "narrow.yaml"
     spec.write_text(yaml.safe_dump(SPEC | {"tiers": SPEC["tiers"][:1]}))
     result = invoke("export", spec, "-o", tmp_path / "out", "--precision", "fp32,fp16", "--pad-channels", "1",
-                    "--latency-runs", "1", "--json")
+                    "--latency-runs", "1", "--format", "files", "--json")
     assert result.exit_code == 0, result.output
     (warning,) = json.loads(result.stdout)["warnings"]
     assert re.fullmatch(r"tier narrow fp16: logit error \S+ x max\(1, max \|FP32 logit\|\) > -1.0 on 64 random normal "

@@ -118,7 +118,7 @@ def test_corrupt_file_with_a_matching_hash_is_a_clear_error(export_copy):
     "edit, message",
     [
         (lambda m: m.pop("schema_version"), "schema_version: required key is missing"),
-        (lambda m: m.update(schema_version=3), "schema_version: unsupported version 3"),
+        (lambda m: m.update(schema_version=4), r"schema_version: unsupported version 4 \(this nefl-zoo reads 1, 2 and 3; re-export or upgrade nefl-zoo\)"),
         (lambda m: m["tiers"][1].pop("sha256"), r"tiers\[1\].sha256: required key is missing"),
         (lambda m: m["input"].update(shape="32x32"), r"input.shape: Input should be a valid list"),
         (lambda m: m.update(tiers=[]), "tiers: List should have at least 1 item"),
@@ -203,15 +203,13 @@ def test_a_tier_swapped_after_its_hash_check_is_not_run(exported, export_copy, m
     still runs the verified bytes (onnxruntime gets bytes, never the path)."""
     import onnxruntime as ort
 
-    import nefl_zoo.runtime as runtime_module
-
     real = ort.InferenceSession
 
     def swap_then_load(model, *args, **kwargs):
         (export_copy / "small.onnx").write_bytes((export_copy / "full.onnx").read_bytes())
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(runtime_module.ort, "InferenceSession", swap_then_load)
+    monkeypatch.setattr(ort, "InferenceSession", swap_then_load)
     runtime = TierRuntime(export_copy)
     x = np.random.default_rng(0).standard_normal((2, 3, 32, 32), dtype=np.float32)
     np.testing.assert_allclose(runtime.run(x, "small"), small_logits(exported, x), atol=1e-4)
@@ -498,17 +496,17 @@ def test_benchmark_runs_the_session_warmup_plus_runs_times(exported):
 def test_read_tier_refuses_what_is_not_a_tier_file(export_copy, monkeypatch):
     import os
 
-    import nefl_zoo.runtime as runtime_module
+    import nefl_zoo.runtime.session as runtime_session
     from nefl_zoo.runtime import read_tier
 
     entry = load_manifest(export_copy).tier("small")
     path = export_copy / "small.onnx"
     assert read_tier(path, entry.sha256, export_copy) == path.read_bytes()
     assert read_tier(path, entry.sha256) == path.read_bytes()  # no root: no containment check
-    monkeypatch.setattr(runtime_module, "MAX_TIER_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr(runtime_session, "MAX_TIER_BYTES", path.stat().st_size - 1)
     with pytest.raises(ManifestError, match=r"small.onnx: larger than 2 GiB, which no self-contained .onnx file is$"):
         read_tier(path, entry.sha256)
-    monkeypatch.setattr(runtime_module, "MAX_TIER_BYTES", path.stat().st_size)
+    monkeypatch.setattr(runtime_session, "MAX_TIER_BYTES", path.stat().st_size)
     assert read_tier(path, entry.sha256) == path.read_bytes()
     (export_copy / "dir.onnx").mkdir()
     os.mkfifo(export_copy / "fifo.onnx")  # refused at once, not a read that waits for a writer
@@ -561,7 +559,6 @@ def test_a_tier_whose_output_has_no_class_dimension_is_not_checked_for_it(export
 def test_onnxruntime_load_errors_keep_their_first_line(export_copy, monkeypatch):
     import onnxruntime as ort
 
-    import nefl_zoo.runtime as runtime_module
     from nefl_zoo.runtime import session_from_bytes
 
     with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(\[ONNXRuntimeError\] : 7 : INVALID_PROTOBUF : [^\n]+\)$"):
@@ -573,14 +570,14 @@ def test_onnxruntime_load_errors_keep_their_first_line(export_copy, monkeypatch)
     def fails(*args, **kwargs):
         raise Silent("  \n")
 
-    monkeypatch.setattr(runtime_module.ort, "InferenceSession", fails)
+    monkeypatch.setattr(ort, "InferenceSession", fails)
     with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(Silent\)$"):
         session_from_bytes(b"", "x.onnx")
 
     def two_lines(*args, **kwargs):
         raise RuntimeError("  first line\nsecond line")
 
-    monkeypatch.setattr(runtime_module.ort, "InferenceSession", two_lines)
+    monkeypatch.setattr(ort, "InferenceSession", two_lines)
     with pytest.raises(ManifestError, match=r"^x.onnx: onnxruntime cannot load the model \(first line\)$"):
         session_from_bytes(b"", "x.onnx")
     assert ort.InferenceSession is two_lines

@@ -11,7 +11,7 @@ surviving mutants of each module are printed right after its run::
 
     python tools/mutation.py                          # every module
     python tools/mutation.py nefl_zoo.fl.aggregate    # one module
-    python tools/mutation.py nefl_zoo.runtime MUTANT...   # only these mutants of it, again
+    python tools/mutation.py nefl_zoo.runtime.tiers MUTANT...   # only these mutants of it, again
 """
 
 from __future__ import annotations

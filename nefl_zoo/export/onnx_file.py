@@ -2,26 +2,23 @@
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
 the one file; :func:`activation_bytes_per_sample` reads the largest working set from ONNX
-shape inference; :func:`machine_description` names where latencies are measured and
+shape inference; :func:`machine_description` (the runtime's) names where latencies are measured and
 :func:`cpu_channel_block` the channel block its CPU kernels prefer; :func:`onnx_latency_ms`
 times a module as export would write it.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import re
 import tempfile
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 import torch
 from torch import nn
 
-from ..manifest import Machine
-from ..runtime import CPU_PROVIDER, session_from_bytes
+from ..runtime import session_from_bytes
+from ..runtime.latency import machine_description
 from ..timing import median_ms
 from .surgery import fold_batchnorm
 
@@ -97,12 +94,3 @@ def cpu_channel_block() -> int:
     return 16 if re.search(r"\bavx512f\b", cpuinfo) else 8
 
 
-def machine_description() -> Machine:
-    """The CPU, OS and onnxruntime version latencies are measured with."""
-    return Machine(
-        processor=platform.processor() or platform.machine(),
-        platform=platform.platform(),
-        cpu_count=os.cpu_count() or 1,
-        onnxruntime=ort.__version__,
-        provider=CPU_PROVIDER,
-    )

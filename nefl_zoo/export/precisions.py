@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..manifest import Agreement, Calibration
+from ..manifest import Agreement, Calibration, PackageFile
 from ..runtime import run_in_chunks
 from ..timing import interleaved_median_ms
 from .data import ExportImages
@@ -41,6 +41,9 @@ class PrecisionFile:
     logits: np.ndarray | None = None  # on the test images
     agreement: Agreement | None = None
     calibration: Calibration | None = None
+    data: bytes | None = None  # the serialized model (kept for a nested package)
+    tensors: PackageFile | None = None  # nested: the entry's per-tier file
+    model_bytes: int | None = None  # nested: the size of the model a session holds
 
 
 def precision_filename(tier_file: str, precision: str) -> str:
@@ -63,9 +66,12 @@ def precision_files(
     fixed_batch: int | None,
     threads: int | None,
     warn: Callable[[str], None],
+    keep_names: bool = False,
 ) -> list[PrecisionFile]:
     """The tier's FP32 file and its versions at the other ``precisions`` that pass the check
-    against it, each written to ``staging``; with ``images``, each with its test logits."""
+    against it, each written to ``staging`` (``keep_names``: with the exporter's tensor names,
+    see :func:`~.quantize.compact`); with ``images``, each with its test logits."""
+    fp32 = dataclasses.replace(fp32, data=fp32_data)
     if images is None:
         return [fp32]
     reference = tier_logits(fp32.session, images.test, fixed_batch)
@@ -75,10 +81,10 @@ def precision_files(
             continue
         calibration = None
         if precision == "int8":
-            data = quantize_int8(fp32_data, images.calibration, fixed_batch)
+            data = quantize_int8(fp32_data, images.calibration, fixed_batch, rename=not keep_names)
             calibration = Calibration(method=INT8_METHOD, images=len(images.calibration), source=images.calibration_source)
         else:
-            data = to_fp16(fp32_data)
+            data = to_fp16(fp32_data, rename=not keep_names)
         file = precision_filename(fp32.file, precision)
         model = onnx.load_model_from_string(data)
         check_single_file(name, model, None)
@@ -91,7 +97,7 @@ def precision_files(
             continue
         (staging / file).write_bytes(data)
         files.append(
-            PrecisionFile(precision, file, sha256, session, activation_bytes_per_sample(model), logits, agreement, calibration)
+            PrecisionFile(precision, file, sha256, session, activation_bytes_per_sample(model), logits, agreement, calibration, data)
         )
     return files
 

@@ -28,10 +28,10 @@ INT8_METHOD = "onnxruntime quantize_static, QDQ, per-channel int8 weights, uint8
 CALIBRATION_BATCH = 32
 
 
-def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None) -> bytes:
+def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None, rename: bool = True) -> bytes:
     """The serialized INT8 (QDQ) model of the FP32 model ``fp32``, calibrated on ``images``
     (fed in batches of ``fixed_batch`` for a fixed-batch model, the last one dropped if
-    short, else of :data:`CALIBRATION_BATCH`)."""
+    short, else of :data:`CALIBRATION_BATCH`); ``rename``: see :func:`compact`."""
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     size = fixed_batch or CALIBRATION_BATCH
@@ -54,31 +54,33 @@ def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None) -> b
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
         )
         model = onnx.load(str(out))
-    return compact(model).SerializeToString()
+    return compact(model, rename).SerializeToString()
 
 
-def to_fp16(fp32: bytes) -> bytes:
-    """The serialized FP16 model of the FP32 model ``fp32`` (float32 input and output)."""
+def to_fp16(fp32: bytes, rename: bool = True) -> bytes:
+    """The serialized FP16 model of the FP32 model ``fp32`` (float32 input and output);
+    ``rename``: see :func:`compact`."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     with _quiet():
         model = convert_float_to_float16(onnx.load_model_from_string(fp32), keep_io_types=True)
-    return compact(model).SerializeToString()
+    return compact(model, rename).SerializeToString()
 
 
-def compact(model: onnx.ModelProto) -> onnx.ModelProto:
+def compact(model: onnx.ModelProto, rename: bool = True) -> onnx.ModelProto:
     """``model`` without what only debugging needs: the exporter's per-node metadata (source
     locations), doc strings and node names, the intermediate shapes (onnxruntime infers them),
     and long tensor names: every tensor but the graph's input and output is renamed ``t0``,
     ``t1``, ... (the quantizer's names such as ``layer3.0.conv2.weight_quantized_scale`` are a
-    fifth of a small INT8 file). A graph with subgraphs keeps its tensor names."""
+    fifth of a small INT8 file). A graph with subgraphs, or ``rename=False`` (a nested
+    package traces tensors back by name), keeps its tensor names."""
     graph = model.graph
     for node in graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
         node.name = ""
     del graph.value_info[:]
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+    if not rename or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
         return model
     keep = {v.name for v in (*graph.input, *graph.output)}
     short: dict[str, str] = {}

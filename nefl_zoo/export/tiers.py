@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import __version__
 from ..datasets import CLASS_NAMES, NORMALIZATION
-from ..manifest import PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
+from ..manifest import FORMATS, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers
 from ..timing import interleaved_median_ms
 from .onnx_file import (
@@ -39,6 +39,7 @@ from .onnx_file import (
 )
 from .data import ExportImages, export_images
 from .precisions import PrecisionFile, accuracy, precision_filename, precision_files, time_files
+from .package import PackageWriter
 from .sources import ExportSource
 from .staging import publish, staging
 from .surgery import fold_batchnorm, pad_channels
@@ -76,6 +77,7 @@ class _ExportedTier:
     latency: Latency
     channel_align: int
     channel_align_ms: dict[str, float] | None
+    inputs: np.ndarray  # the batch parity was checked on
 
 
 def _alignments(module: nn.Module, channel_align: int | Literal["auto"]) -> dict[int, nn.Module]:
@@ -134,7 +136,7 @@ def _export_tier(
     )
     return _ExportedTier(
         data, session, sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
-        align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None,
+        align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None, x.numpy(),
     )
 
 
@@ -155,6 +157,7 @@ def export_tiers(
     calibration_source: str = "the images given",
     calibration_images: int = CALIBRATION_IMAGES,
     warn: Callable[[str], None] | None = None,
+    format: str = "files",
 ) -> Manifest:
     """Export, verify and time the ``tiers`` (default: all) of ``source`` into ``out_dir``.
 
@@ -177,6 +180,9 @@ def export_tiers(
             named by ``calibration_source``; default: ``calibration_images`` training images
             of a run source.
         warn: called with each warning (default: logged).
+        format: ``files`` (one self-contained file per tier and precision) or ``nested`` (one
+            package: the shared tensors once per precision, per entry a weights-free graph
+            and its per-tier tensors; :mod:`.package`, :mod:`nefl_zoo.runtime.nested`).
 
     A run source's test split (when its data loads) gives every file's accuracy and the
     images the check uses. Files are written to a staging directory and moved into place
@@ -201,6 +207,8 @@ def export_tiers(
         raise ValueError(f"batch must be >= 1 and channel_align >= 1 or 'auto', got {batch} and {channel_align!r}")
     if opset is not None and opset < MIN_OPSET:
         raise ValueError(f"opset: the torch.export-based exporter writes opset {MIN_OPSET} or later, got {opset}")
+    if format not in FORMATS:
+        raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {format!r}")
     if "int8" in precisions and calibration is None and source.data is None:
         raise ValueError("int8: needs calibration images; export a run directory, or give a folder of images (--calibration)")
 
@@ -215,16 +223,21 @@ def export_tiers(
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     fixed_batch = None if batch_dynamic else batch
+    package = PackageWriter(source.global_state, precisions, threads, fixed_batch) if format == "nested" else None
     with staging(out_dir) as folder:
         entries = []
         for name in names:
             module = compiled[name].load(source.global_state).eval()
             exported = _export_tier(name, module, compiled.input_size, folder / files[name], options, generator)
             fp32 = PrecisionFile("fp32", files[name], exported.sha256, exported.session, exported.activation_bytes_per_sample)
-            shipped = precision_files(name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn)
+            shipped = precision_files(
+                name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn, keep_names=package is not None
+            )
+            if package is not None:
+                shipped = package.add(name, files[name], module, compiled[name].slice_map, shipped, exported.inputs, images, folder, warn)
             shipped = [f for f in shipped if f.precision in precisions]
             latencies = {"fp32": exported.latency.median_ms}
-            if any(f.precision != "fp32" for f in shipped):  # every precision of the tier, in alternation
+            if package is not None or any(f.precision != "fp32" for f in shipped):  # the sessions shipped, in alternation
                 feed = torch.randn(batch, *compiled.input_size, generator=generator).numpy()
                 latencies = time_files(shipped, feed, latency_runs)
             prof = profiles[name]
@@ -236,6 +249,7 @@ def export_tiers(
                         precision=file.precision,
                         file=file.file,
                         sha256=file.sha256,
+                        tensors=file.tensors,
                         params=prof.params,
                         params_ratio=prof.params_ratio,
                         macs=prof.macs,
@@ -251,7 +265,7 @@ def export_tiers(
                         max_abs_diff=file.agreement.max_abs_diff if file.agreement else exported.max_abs_diff,
                         vs_fp32=file.agreement,
                         calibration=file.calibration,
-                        weights_mb=(folder / file.file).stat().st_size / 2**20,
+                        weights_mb=(file.model_bytes or (folder / file.file).stat().st_size) / 2**20,
                         activation_mb_per_sample=file.activation_bytes_per_sample / 2**20,
                         latency=exported.latency.model_copy(update={"median_ms": latencies[file.precision]}),
                     )
@@ -259,7 +273,11 @@ def export_tiers(
         if not entries:
             raise ExportError("no file passed its check against FP32; nothing to ship")
         normalization = NORMALIZATION.get(dataset) if dataset else None
+        layout = {}
+        if package is not None:
+            layout = {"format": "nested", "shared": package.finish(folder, list(dict.fromkeys(e.precision for e in entries)))}
         manifest = Manifest(
+            **layout,
             schema_version=SCHEMA_VERSION,
             model=compiled.spec.model,
             model_args=compiled.spec.model_args,
@@ -279,6 +297,8 @@ def export_tiers(
             class_names=list(CLASS_NAMES[dataset]) if dataset in CLASS_NAMES else None,
             tiers=entries,
         )
+        if package is not None:
+            package.verify(folder, manifest)
         publish(folder, out_dir, manifest)
     return manifest
 

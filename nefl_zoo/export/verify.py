@@ -22,6 +22,7 @@ from torch import nn
 
 from ..manifest import Agreement
 from ..runtime import session_from_bytes
+from ..runtime.wire import external_tensors
 from .onnx_file import INPUT_NAME
 
 ATOL = 1e-4
@@ -49,8 +50,9 @@ def same_output(module: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> 
 def check_single_file(name: str, model: onnx.ModelProto, opset: int | None) -> int:
     """The opset ``model`` was written with; :class:`ExportError` when its weights live in
     external files or it is not the ``opset`` asked for."""
-    if any(onnx.external_data_helper.uses_external_data(t) for t in model.graph.initializer):
-        raise ExportError(f"tier {name}: the exporter wrote external data; expected one file")
+    external = external_tensors(model.SerializeToString())
+    if external:
+        raise ExportError(f"tier {name}: the exporter wrote tensor {external[0]} as external data; expected one file")
     (written,) = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     if opset is not None and written != opset:
         raise ExportError(f"tier {name}: asked for opset {opset}, the exporter wrote {written}")

@@ -17,6 +17,11 @@ bytes they hashed. ``metrics.jsonl`` is appended to between checkpoints and neve
 place: a resume replaces it (write a temporary file, rename) with the committed records, after
 every check has passed, so records of rounds after the checkpoint (and a torn last line) go.
 
+An ``OSError`` while writing (a full disk) is one line naming the file and the fix
+(:class:`~nefl_zoo.files.WriteError`): ``RUN/ckpt-000012-1a2b3c4d.global.safetensors: cannot
+write (No space left on device); free space, then continue with --resume RUN (the last
+checkpoint, round 10, is intact)``.
+
 Every writer holds ``run.lock`` (:class:`~nefl_zoo.files.DirLock`, exclusive; export takes
 it shared). The crash points (:func:`~nefl_zoo.files.crash_point`) of the fault-injection
 tests, in the order a run reaches them:
@@ -37,6 +42,7 @@ tests, in the order a run reaches them:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -49,7 +55,7 @@ import torch
 import yaml
 from safetensors.torch import save as save_tensors
 
-from ..files import DirLock, atomic_write, crash_point, fsync_path, write_durably
+from ..files import DirLock, atomic_write, crash_point, fsync_path, naming_write_errors, write_durably
 from .checkpoint import (CHECKPOINT_JSON, CLIENT_SEP, CLIENT_STATES, FORMAT, GENERATION, GLOBAL_STATE, RUN_JSON,
                          SERVER_STATE, Checkpoint, CheckpointError, Pointer, read_checkpoint, read_pointer, rng_states,
                          saved_config, set_rng_states, sha256)
@@ -106,6 +112,18 @@ class RunStore:
         if not self._lock.held:
             raise RuntimeError(f"{self.out}: RunStore.open() must be called before writing")
 
+    def _writes(self, path: Path | None = None) -> contextlib.AbstractContextManager[None]:
+        """Turn an ``OSError`` inside into a :class:`~nefl_zoo.files.WriteError` naming the
+        file (else ``path``, else the run directory) and what to do, which depends on whether a
+        checkpoint is committed."""
+
+        def fix() -> str:
+            if self._pointer is None:
+                return "free space, then start the run again with --overwrite (no checkpoint was committed yet)"
+            return f"free space, then continue with --resume {self.out} (the last checkpoint, round {self._pointer.round}, is intact)"
+
+        return naming_write_errors(path or self.out, fix)
+
     def _refuse_existing(self) -> None:
         if any((self.out / f).exists() for f in (CHECKPOINT_JSON, METRICS_JSONL)):
             raise RunExistsError(
@@ -120,19 +138,20 @@ class RunStore:
         self._require_lock()
         if not overwrite:
             self._refuse_existing()
-        else:
-            (self.out / CHECKPOINT_JSON).unlink(missing_ok=True)
-            fsync_path(self.out)
-            crash_point("overwrite:cleared")
-            for path in self.out.iterdir():
-                if path.name in (*PUBLISHED, SUMMARY_JSON, METRICS_JSONL, METRICS_CSV) or path.name.startswith(GENERATION):
-                    path.unlink()
-            self._remove_temporaries()
-        spec_bytes = yaml.safe_dump(spec, sort_keys=False).encode()
-        atomic_write(self.out / CONFIG_YAML, lambda p: p.write_bytes(yaml.safe_dump(config, sort_keys=False).encode()))
-        atomic_write(self.out / SPEC_YAML, lambda p: p.write_bytes(spec_bytes))
-        self._spec_sha256 = sha256(spec_bytes)
-        self._write_metrics([])
+        with self._writes():
+            if overwrite:
+                (self.out / CHECKPOINT_JSON).unlink(missing_ok=True)
+                fsync_path(self.out)
+                crash_point("overwrite:cleared")
+                for path in self.out.iterdir():
+                    if path.name in (*PUBLISHED, SUMMARY_JSON, METRICS_JSONL, METRICS_CSV) or path.name.startswith(GENERATION):
+                        path.unlink()
+                self._remove_temporaries()
+            spec_bytes = yaml.safe_dump(spec, sort_keys=False).encode()
+            atomic_write(self.out / CONFIG_YAML, lambda p: p.write_bytes(yaml.safe_dump(config, sort_keys=False).encode()))
+            atomic_write(self.out / SPEC_YAML, lambda p: p.write_bytes(spec_bytes))
+            self._spec_sha256 = sha256(spec_bytes)
+            self._write_metrics([])
 
     def _write_metrics(self, records: list[dict]) -> None:
         """Replace ``metrics.jsonl`` and ``metrics.csv`` with ``records`` (temporary file + rename)."""
@@ -156,19 +175,25 @@ class RunStore:
         if self._records is None:
             raise RuntimeError(f"{self.out}: RunStore.create() or resume() must come before log()")
         line = json.dumps(record)
-        with open(self.out / METRICS_JSONL, "a") as f:
+        with self._writes(self.out / METRICS_JSONL), open(self.out / METRICS_JSONL, "a") as f:
             f.write(line + "\n")
         crash_point("log:jsonl")
-        with open(self.out / METRICS_CSV, "a", newline="") as f:
+        with self._writes(self.out / METRICS_CSV), open(self.out / METRICS_CSV, "a", newline="") as f:
             csv.writer(f).writerow(self._csv_row(record))
         self._records.append(json.loads(line))  # a copy, as the line reads
 
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, checkpoint: Checkpoint, config: dict) -> None:
-        """Commit a checkpoint: a new generation of files, fsynced, then ``checkpoint.json``."""
+        """Commit a checkpoint: a new generation of files, fsynced, then ``checkpoint.json``.
+        An ``OSError`` is a :class:`~nefl_zoo.files.WriteError` (the committed checkpoint, if
+        any, stays the one ``checkpoint.json`` names)."""
         self._require_lock()
         if self._records is None:
             raise RuntimeError(f"{self.out}: RunStore.create() or resume() must come before save()")
+        with self._writes():
+            self._save(checkpoint, config)
+
+    def _save(self, checkpoint: Checkpoint, config: dict) -> None:
         generation = f"{GENERATION}{checkpoint.round:06d}-{secrets.token_hex(4)}"
         clients = {f"{cid}{CLIENT_SEP}{k}": v for cid, s in checkpoint.client_states.items() for k, v in s.items()}
         blobs = {GLOBAL_STATE: _safetensors_bytes(checkpoint.state)}
@@ -237,11 +262,12 @@ class RunStore:
         self._require_lock()
         if self._pointer is None or checkpoint.rng is None:
             raise RuntimeError("RunStore.resume() takes the checkpoint read_checkpoint() returned")
-        self._write_metrics(checkpoint.records)
-        self._publish(self._pointer)
-        self._prune(self._pointer)
-        self._remove_temporaries()
-        (self.out / SUMMARY_JSON).unlink(missing_ok=True)  # written again when the run ends
+        with self._writes():
+            self._write_metrics(checkpoint.records)
+            self._publish(self._pointer)
+            self._prune(self._pointer)
+            self._remove_temporaries()
+            (self.out / SUMMARY_JSON).unlink(missing_ok=True)  # written again when the run ends
         self._spec_sha256 = self._pointer.spec_sha256
         set_rng_states(checkpoint.rng)
 
@@ -270,4 +296,5 @@ class RunStore:
     def write_summary(self, summary: dict) -> None:
         """Write ``summary.json`` at the end of a run."""
         crash_point("summary")
-        atomic_write(self.out / SUMMARY_JSON, lambda p: p.write_text(json.dumps(summary, indent=2)))
+        with self._writes():
+            atomic_write(self.out / SUMMARY_JSON, lambda p: p.write_text(json.dumps(summary, indent=2)))

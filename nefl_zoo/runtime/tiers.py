@@ -1,42 +1,23 @@
-"""Run exported tiers with onnxruntime and pick the (tier, precision) that fits a device budget.
-
-Depends only on numpy, onnxruntime, pydantic and the standard library (never torch)::
-
-    rt = TierRuntime("exports/resnet20/manifest.json")
-    choice = rt.select(latency_ms=5.0)         # Selection(tier="g0.6", precision="int8", ...)
-    logits = rt.run(images)                    # runs the selected entry ("auto")
-    logits = rt.run(images, tier="g1.0")       # or any tier's FP32 file by its name,
-    logits = rt.run(images, tier="g1.0:int8")  # or any entry by its label; sessions stay cached
-
-Every tier file (of any precision) is read once into memory (:func:`read_tier`): its path must stay inside the
-manifest's folder (no ``..``, no symlink out of it), its bytes are checked against the
-manifest's sha256, and those same bytes, never the path again, are handed to onnxruntime
-(:func:`session_from_bytes`), so a file swapped after the check is never run. A session's
-input and output shapes are checked against the manifest's ``input.shape`` and
-``output.num_classes`` when it is created.
-"""
+"""TierRuntime: the tiers of one manifest, their cached sessions and the budget-driven selector."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import os
-import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from .memory import WORKING_SET_FACTOR, check_batch_memory
-from .manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierEntry, load_manifest
-from .timing import interleaved_median_ms
-
-CPU_PROVIDER = "CPUExecutionProvider"
-MAX_TIER_BYTES = 2**31  # protobuf's limit: a self-contained .onnx file is never larger
-
+from ..manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierEntry, load_manifest
+from ..memory import WORKING_SET_FACTOR, check_batch_memory
+from ..timing import interleaved_median_ms
+from .adaptive import AdaptivePolicy, Candidate, Deadline
+from .nested import NestedPackage
+from .session import CPU_PROVIDER, create_session, session_from_bytes
 
 class NoTierFits(ValueError):
     """No tier of the manifest meets the budget."""
@@ -54,75 +35,6 @@ class Selection:
     label: str  # the entry's label: the tier name for FP32, else NAME:PRECISION
 
 
-def read_tier(path: str | Path, sha256: str, root: str | Path | None = None) -> bytes:
-    """The bytes of a tier file, read once and checked against ``sha256``.
-
-    With ``root`` (the manifest's folder), the path, resolved through every symlink, must lie
-    inside it. Raises :class:`ManifestError` naming the file when it is missing, outside
-    ``root``, not a regular file, too large or does not match the hash.
-    """
-    path = Path(path)
-    if root is not None:
-        resolved, folder = path.resolve(), Path(root).resolve()
-        if not resolved.is_relative_to(folder):
-            raise ManifestError(
-                str(path), "", f"resolves to {resolved}, outside the manifest's folder {folder} (refused; re-export)"
-            )
-        path = resolved  # opened below without following a symlink swapped in since
-    # O_NONBLOCK: a FIFO in the tier's place is refused below instead of blocking the open
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise ManifestError(str(path), "", "tier file is missing (re-export the model)") from None
-    except OSError as exc:
-        raise ManifestError(str(path), "", f"cannot read the tier file ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before fdopen, which refuses a directory itself
-        os.close(fd)
-        raise ManifestError(str(path), "", "not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_TIER_BYTES + 1)
-    if len(data) > MAX_TIER_BYTES:
-        raise ManifestError(str(path), "", "larger than 2 GiB, which no self-contained .onnx file is")
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != sha256:
-        raise ManifestError(
-            str(path),
-            "",
-            f"sha256 {actual[:12]}... does not match the manifest's {sha256[:12]}... "
-            "(the file was modified or corrupted; re-export it)",
-        )
-    return data
-
-
-def session_from_bytes(
-    model: bytes, source: str, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None
-) -> ort.InferenceSession:
-    """An onnxruntime session for the serialized ``model`` (already verified bytes);
-    ``source`` names it in a :class:`ManifestError` when onnxruntime cannot load it."""
-    options = ort.SessionOptions()
-    if threads is not None:
-        options.intra_op_num_threads = threads
-    try:
-        return ort.InferenceSession(model, options, providers=list(providers))
-    except Exception as exc:  # onnxruntime raises its own pybind exception types
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ManifestError(source, "", f"onnxruntime cannot load the model ({first_line})") from None
-
-
-def create_session(
-    path: str | Path,
-    sha256: str,
-    providers: tuple[str, ...] = (CPU_PROVIDER,),
-    threads: int | None = None,
-    root: str | Path | None = None,
-) -> ort.InferenceSession:
-    """An onnxruntime session for the tier file ``path``: read once (:func:`read_tier`, inside
-    ``root`` when given), checked against ``sha256``, and those bytes loaded; ``threads``
-    caps onnxruntime's intra-op threads (default: one per physical core)."""
-    return session_from_bytes(read_tier(path, sha256, root), str(path), providers, threads)
-
-
 class TierRuntime:
     """The tiers of one manifest, loaded lazily and cached, and a budget-driven selector.
 
@@ -130,10 +42,23 @@ class TierRuntime:
         manifest_path: ``manifest.json`` or the export directory holding it.
         providers: onnxruntime execution providers, in order of preference.
         threads: onnxruntime intra-op threads per session (default: one per physical core).
+        policy: a :class:`~nefl_zoo.runtime.adaptive.Deadline` for ``run(batch,
+            tier="adaptive")``: each request is served by the entry an
+            :class:`~nefl_zoo.runtime.adaptive.AdaptivePolicy` chooses, timed, and the time fed
+            back to it. The sessions of the policy's ladder are created and run once at once,
+            so a switch never waits for a session and a first run's set-up is not taken for
+            a slowdown.
+        latencies: the policy's starting estimates, label -> ms at the request batch (e.g.
+            :meth:`LatencyTable.for_batch` of a table measured on this device); default: the
+            manifest's latency at export.
+        precisions: the precisions the policy may serve (default: all).
+        clock: seconds, monotonic: times the adaptive requests (injectable for tests).
     """
 
     def __init__(
-        self, manifest_path: str | Path, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None
+        self, manifest_path: str | Path, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None,
+        policy: Deadline | None = None, latencies: Mapping[str, float] | None = None,
+        precisions: Sequence[str] | None = None, clock: Callable[[], float] = time.perf_counter,
     ):
         path = Path(manifest_path)
         self.manifest_path = path / MANIFEST_NAME if path.is_dir() else path
@@ -142,7 +67,22 @@ class TierRuntime:
         self.providers = tuple(providers)
         self.threads = threads
         self._sessions: dict[str, ort.InferenceSession] = {}
+        self._package = NestedPackage(self.manifest, self.root) if self.manifest.format == "nested" else None
         self.selection: Selection = self.select()
+        self.clock = clock
+        self.adaptive: AdaptivePolicy | None = None
+        self.last_label: str | None = None  # the entry that served the latest run
+        if policy is not None:
+            entries = self.entries(precisions)
+            estimates = latencies or {t.label: t.latency.median_ms for t in entries}
+            missing = [t.label for t in entries if t.label not in estimates]
+            if missing:
+                raise ValueError(f"latencies: no starting estimate for {', '.join(missing)}")
+            candidates = [Candidate(t.label, t.accuracy, t.macs, estimates[t.label]) for t in entries]
+            self.adaptive = AdaptivePolicy(candidates, policy, clock=clock)
+            warmup = {self.manifest.input.name: np.zeros((self.manifest.input.batch or 1, *self.manifest.input.shape), np.float32)}
+            for label in self.adaptive.ladder:  # created and run once: a first run's set-up is no slowdown
+                self.session(label).run(None, warmup)
 
     def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession:
         """The (cached) session of an entry (:meth:`Manifest.tier`: a label, or a tier name
@@ -150,7 +90,10 @@ class TierRuntime:
         entry = self.manifest.tier(tier, precision)
         if entry.label not in self._sessions:
             path = self.root / entry.file
-            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
+            if self._package is None:
+                session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
+            else:
+                session = session_from_bytes(self._package.model_bytes(entry), str(path), self.providers, self.threads)
             self._check_io(session, str(path))
             self._sessions[entry.label] = session
         return self._sessions[entry.label]
@@ -186,13 +129,17 @@ class TierRuntime:
         batch: int = 1,
         max_file_mb: float | None = None,
         precisions: Sequence[str] | None = None,
+        latencies: Mapping[str, float] | None = None,
+        latency_source: str = "on export",
     ) -> Selection:
         """Choose the most accurate (tier, precision) within every given budget (the largest
         by MACs when some fitting entry has no measured accuracy; ties go to fewer MACs, then
         the smaller file) and make it the ``"auto"`` tier.
 
         ``latency_ms`` is compared with the latency measured at export time (at the batch the
-        manifest records); ``max_memory_mb`` with :meth:`TierEntry.memory_mb` at ``batch``;
+        manifest records), or with ``latencies`` (label -> ms, e.g. a device's
+        :class:`~nefl_zoo.runtime.latency.LatencyTable` at ``batch``; ``latency_source`` says
+        where it was measured, for the reason) when given; ``max_memory_mb`` with :meth:`TierEntry.memory_mb` at ``batch``;
         ``max_file_mb`` with the file's size; ``precisions`` (default: all) restricts the
         entries considered. Raises :class:`NoTierFits` when no entry meets the budget,
         ``ValueError`` for a budget that is negative or not a finite number, a batch below 1,
@@ -208,8 +155,16 @@ class TierRuntime:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch: must be an integer >= 1, got {batch}")
         checks: list[tuple[str, Callable[[TierEntry], float], float]] = []
+        tiers = self.entries(precisions)
+        if latencies is not None:
+            missing = [t.label for t in tiers if t.label not in latencies]
+            if missing:
+                raise ValueError(f"latencies: no latency for {', '.join(missing)} (measured {latency_source})")
+            expected = lambda t: latencies[t.label]  # noqa: E731
+        else:
+            expected, latency_source = (lambda t: t.latency.median_ms), "on export"  # noqa: E731
         if latency_ms is not None:
-            checks.append((f"latency <= {latency_ms:g} ms", lambda t: t.latency.median_ms, latency_ms))
+            checks.append((f"latency <= {latency_ms:g} ms", expected, latency_ms))
         if max_macs is not None:
             checks.append((f"MACs <= {max_macs:,.0f}", lambda t: t.macs, max_macs))
         if max_params is not None:
@@ -220,7 +175,6 @@ class TierRuntime:
             )
         if max_file_mb is not None:
             checks.append((f"file <= {max_file_mb:g} MB", lambda t: t.weights_mb, max_file_mb))
-        tiers = self.entries(precisions)
         fitting = [t for t in tiers if all(cost(t) <= limit for _, cost, limit in checks)]
         budget = " and ".join(label for label, _, _ in checks) or "no budget"
         if not fitting:
@@ -233,10 +187,10 @@ class TierRuntime:
         else:
             best = max(fitting, key=lambda t: (t.macs, t.params, t.weights_mb))
             why = f"largest ({best.macs:,} MACs; accuracy not measured for every tier)"
-        lat = best.latency
+        at = batch if latencies is not None else best.latency.batch
         reason = (
             f"{best.label}: {why} of {len(fitting)}/{len(tiers)} tiers within {budget}; "
-            f"{lat.median_ms:.3g} ms at batch {lat.batch} on export"
+            f"{expected(best):.3g} ms at batch {at} {latency_source}"
         )
         self.selection = Selection(best.name, reason, tuple(t.label for t in fitting), best.precision, best.label)
         return self.selection
@@ -267,17 +221,31 @@ class TierRuntime:
         return np.ascontiguousarray(batch, dtype=np.float32)
 
     def resolve(self, tier: str, precision: str | None = None) -> str:
-        """The label of the selected entry for ``"auto"``, else of :meth:`Manifest.tier`
-        (``tier`` a label, or a tier name and ``precision``); ``KeyError`` if unknown."""
+        """The label of the selected entry for ``"auto"``, of the policy's choice for
+        ``"adaptive"``, else of :meth:`Manifest.tier` (``tier`` a label, or a tier name and
+        ``precision``); ``KeyError`` if unknown, ``ValueError`` for ``"adaptive"`` without a
+        policy."""
         if tier == "auto":
             return self.selection.label
+        if tier == "adaptive":
+            if self.adaptive is None:
+                raise ValueError("tier adaptive: this runtime has no policy (TierRuntime(..., policy=Deadline(ms=...)))")
+            return self.adaptive.choose()
         return self.manifest.tier(tier, precision).label
 
     def run(self, batch: np.ndarray, tier: str = "auto") -> np.ndarray:
-        """Logits of ``batch`` (N, C, H, W, already normalised) from ``tier`` (a label or
-        ``"auto"``)."""
-        session = self.session(self.resolve(tier))
-        return session.run(None, {self.manifest.input.name: self.check_batch(batch)})[0]
+        """Logits of ``batch`` (N, C, H, W, already normalised) from ``tier`` (a label,
+        ``"auto"`` or ``"adaptive"``: the policy's choice, timed and reported back to it);
+        :attr:`last_label` is the entry that ran."""
+        feed = {self.manifest.input.name: self.check_batch(batch)}
+        label = self.resolve(tier)
+        session = self.session(label)
+        start = self.clock()
+        logits = session.run(None, feed)[0]
+        if tier == "adaptive":
+            self.adaptive.observe(label, (self.clock() - start) * 1e3)
+        self.last_label = label
+        return logits
 
     def check_memory(self, batch: int, tiers: list[str] | None = None) -> None:
         """``ValueError`` when running ``batch`` inputs through any of ``tiers`` (labels;

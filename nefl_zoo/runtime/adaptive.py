@@ -1,0 +1,254 @@
+"""AdaptivePolicy: serve each request with the most accurate entry expected to meet a deadline.
+
+Pure and deterministic (standard library only, no threads, no randomness): the same
+``observe`` calls at the same clock values give the same choices. Per request::
+
+    label = policy.choose()            # the entry that serves this request
+    ...                                # run it, time it
+    policy.observe(label, elapsed_ms)
+
+Rules:
+
+* Ladder: the candidates that no other candidate dominates (at least as accurate and
+  expected no slower; ties go to fewer MACs, then the label), fastest first, so each step up
+  is more accurate and slower. Accuracy ranks them when every candidate has one, else MACs.
+* Slowdown: every observation becomes a ratio, ``ms / expected_ms`` of the entry that ran it
+  (its baseline: the idle latency it was given, never refined, so a uniform error in the
+  baselines is absorbed by the slowdown). :attr:`AdaptivePolicy.slowdown` is the
+  ``percentile`` of the last ``window`` ratios (1 before any), and an entry's expected
+  latency is its baseline times the slowdown.
+* Start: the most accurate entry whose baseline is within ``headroom * ms``, else the fastest.
+* Threat: an observation that makes the current entry's expected latency exceed
+  ``headroom * ms``, the latest ratio counted in full when it missed the deadline, so one
+  miss is enough. On a threat the policy steps down at once to the most accurate entry
+  within ``headroom * ms`` under that slowdown (several steps if need be; the fastest if none).
+* Probe: after a quiet period (``probe_after_s * backoff`` seconds of the clock with no
+  threat and no switch, and at least one observation since the last switch) one step up,
+  only when that entry's expected latency is within ``up_margin * headroom * ms``, stricter
+  than the step-down rule (hysteresis).
+* Backoff: the start and every probe are on trial until they go ``probe_after_s`` without a
+  threat (which resets the backoff to 1); a threat while on trial doubles the backoff (at
+  most ``max_backoff``), so an entry that fails at a boundary is probed ever more rarely.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (tier, precision) entry: its label (``g0.6``, ``g0.6:int8``), accuracy (``None``:
+    not measured), MACs and its latency on this device at the request batch when idle."""
+
+    label: str
+    accuracy: float | None
+    macs: int
+    expected_ms: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.label, str) or not self.label:
+            raise ValueError(f"Candidate.label: must be a non-empty string, got {self.label!r}")
+        if self.accuracy is not None and not (
+            isinstance(self.accuracy, (int, float)) and math.isfinite(self.accuracy)
+        ):
+            raise ValueError(f"Candidate {self.label!r}: accuracy must be a finite number or None, got {self.accuracy!r}")
+        if isinstance(self.macs, bool) or not isinstance(self.macs, int) or self.macs < 0:
+            raise ValueError(f"Candidate {self.label!r}: macs must be an integer >= 0, got {self.macs!r}")
+        if not _positive(self.expected_ms):
+            raise ValueError(f"Candidate {self.label!r}: expected_ms must be a finite number > 0, got {self.expected_ms!r}")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The policy's settings: each request should finish within ``ms``.
+
+    ``percentile`` (%) of the recent slowdowns is the one estimates use; ``window`` is how
+    many recent observations they keep; an entry is served only when its expected latency is
+    within ``headroom * ms``, and probed only when within ``up_margin * headroom * ms``;
+    ``probe_after_s`` is the quiet period before a probe, multiplied by a backoff of at most
+    ``max_backoff`` after failed probes.
+    """
+
+    ms: float
+    percentile: float = 95.0
+    window: int = 20
+    headroom: float = 0.9
+    probe_after_s: float = 5.0
+    up_margin: float = 0.9
+    max_backoff: float = 8.0
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, want: str) -> None:
+            if not ok:
+                raise ValueError(f"Deadline.{name}: must be {want}, got {getattr(self, name)!r}")
+
+        check("ms", _positive(self.ms), "a finite number > 0")
+        check("percentile", _positive(self.percentile) and self.percentile <= 100, "a number in (0, 100]")
+        check("window", isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
+              "an integer >= 1")
+        check("headroom", _positive(self.headroom) and self.headroom <= 1, "a number in (0, 1]")
+        probe_ok = self.probe_after_s == 0 or _positive(self.probe_after_s)
+        check("probe_after_s", probe_ok, "a finite number >= 0")
+        check("up_margin", _positive(self.up_margin) and self.up_margin < 1, "a number in (0, 1)")
+        check("max_backoff", _positive(self.max_backoff) and self.max_backoff >= 1, "a finite number >= 1")
+
+
+class Switch(NamedTuple):
+    """One change of the served entry: when (clock time), from and to which label, and why."""
+
+    at: float
+    from_label: str
+    to_label: str
+    reason: str
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (%) of ``values``, interpolated linearly between the closest
+    ranks (numpy's default)."""
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def build_ladder(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other dominates, fastest first (see the module docstring)."""
+    by_accuracy = all(c.accuracy is not None for c in candidates)
+
+    def rank(candidate: Candidate) -> float:
+        return candidate.accuracy if by_accuracy and candidate.accuracy is not None else candidate.macs
+
+    ladder: list[Candidate] = []
+    for candidate in sorted(candidates, key=lambda c: (c.expected_ms, -rank(c), c.macs, c.label)):
+        if not ladder or rank(candidate) > rank(ladder[-1]):
+            ladder.append(candidate)
+    return ladder
+
+
+class AdaptivePolicy:
+    """Chooses, request by request, the most accurate candidate expected to meet ``deadline``
+    from the latencies it observes (rules in the module docstring).
+
+    Args:
+        candidates: the entries it may serve; at least one, labels unique.
+        deadline: the deadline and the policy's settings.
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(
+        self, candidates: Sequence[Candidate], deadline: Deadline, clock: Callable[[], float] = time.monotonic
+    ):
+        if not candidates:
+            raise ValueError("candidates: must hold at least one Candidate, got none")
+        labels = [c.label for c in candidates]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"candidates: duplicate labels {', '.join(duplicates)}")
+        self.deadline = deadline
+        self._clock = clock
+        self._baseline = {c.label: c.expected_ms for c in candidates}
+        self._ladder = build_ladder(candidates)
+        self._ratios: deque[float] = deque(maxlen=deadline.window)
+        self._slowdown = 1.0
+        self._index = self._fitting_index(1.0)
+        self._quiet_since = clock()
+        self._on_trial = True  # the start is a guess from the idle estimates, like a probe
+        self._backoff = 1.0
+        self._observed_since_switch = 0
+        self.switches: list[Switch] = []
+
+    @property
+    def current(self) -> str:
+        """The label now served."""
+        return self._ladder[self._index].label
+
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """The labels the policy may serve, fastest (least accurate) first."""
+        return tuple(c.label for c in self._ladder)
+
+    @property
+    def slowdown(self) -> float:
+        """The ``percentile`` of the recent latency / baseline ratios (1 before any observation)."""
+        return self._slowdown
+
+    @property
+    def backoff(self) -> float:
+        """The factor of ``probe_after_s`` the next quiet period lasts."""
+        return self._backoff
+
+    def expected_ms(self, label: str) -> float:
+        """The latency of ``label`` expected at ``percentile`` now: its baseline times the slowdown."""
+        return self._baseline[self._known(label)] * self._slowdown
+
+    def choose(self) -> str:
+        """The label to serve the next request with; probes one step up when due."""
+        now = self._clock()
+        quiet = now - self._quiet_since
+        if not self._observed_since_switch:
+            return self.current
+        if self._on_trial and quiet >= self.deadline.probe_after_s:
+            self._on_trial, self._backoff = False, 1.0  # a sustained success
+        if quiet >= self.deadline.probe_after_s * self._backoff:
+            up = self._index + 1
+            limit = self.deadline.up_margin * self.deadline.headroom * self.deadline.ms
+            expected = self._ladder[up].expected_ms * self._slowdown if up < len(self._ladder) else math.inf
+            if expected <= limit:
+                self._switch(now, up, f"probe: expected {expected:.3g} ms <= {limit:.3g} ms after {quiet:.3g} s quiet")
+                self._on_trial = True
+        return self.current
+
+    def observe(self, label: str, ms: float) -> None:
+        """Record that ``label`` served a request in ``ms`` milliseconds; steps down at once
+        when that threatens the deadline. ``ValueError`` for an unknown label or a latency
+        that is negative or not a number."""
+        baseline = self._baseline[self._known(label)]
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not (ms >= 0 and math.isfinite(ms)):
+            raise ValueError(f"ms: must be a finite number >= 0, got {ms!r}")
+        now = self._clock()
+        ratio = ms / baseline
+        self._ratios.append(ratio)
+        self._slowdown = percentile(self._ratios, self.deadline.percentile)
+        self._observed_since_switch += 1
+        missed = ms > self.deadline.ms
+        slowdown = max(self._slowdown, ratio) if missed else self._slowdown
+        budget = self.deadline.headroom * self.deadline.ms
+        expected = self._ladder[self._index].expected_ms * slowdown
+        if expected <= budget:
+            return
+        self._quiet_since = now
+        if self._on_trial:
+            self._on_trial = False
+            self._backoff = min(2 * self._backoff, self.deadline.max_backoff)
+        target = self._fitting_index(slowdown)
+        if target < self._index:
+            why = f"miss: {label} took {ms:.3g} ms > {self.deadline.ms:.3g} ms" if missed else (
+                f"threat: {self.current} expected {expected:.3g} ms > {budget:.3g} ms")
+            self._switch(now, target, f"{why} (slowdown x{slowdown:.3g})")
+
+    def _known(self, label: str) -> str:
+        if label not in self._baseline:
+            raise ValueError(f"label: {label!r} is not a candidate ({', '.join(self._baseline)})")
+        return label
+
+    def _fitting_index(self, slowdown: float) -> int:
+        """The most accurate ladder step expected within ``headroom * ms`` under ``slowdown``; 0 if none."""
+        budget = self.deadline.headroom * self.deadline.ms
+        fitting = [i for i, c in enumerate(self._ladder) if c.expected_ms * slowdown <= budget]
+        return fitting[-1] if fitting else 0
+
+    def _switch(self, now: float, index: int, reason: str) -> None:
+        self.switches.append(Switch(now, self.current, self._ladder[index].label, reason))
+        self._index = index
+        self._quiet_since = now
+        self._observed_since_switch = 0

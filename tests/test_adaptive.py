@@ -1,0 +1,264 @@
+"""AdaptivePolicy driven by a fake clock and a simulated device whose load changes by phases."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+import pytest
+
+from nefl_zoo.runtime.adaptive import AdaptivePolicy, Candidate, Deadline, Switch, build_ladder
+
+CANDIDATES = (
+    Candidate("g0.25", 0.60, 10_000_000, 2.0),
+    Candidate("g0.5", 0.75, 40_000_000, 4.0),
+    Candidate("g0.75", 0.85, 90_000_000, 6.0),
+    Candidate("g0.75:int8", 0.84, 90_000_000, 6.5),  # dominated by g0.75: less accurate and slower
+    Candidate("g1.0", 0.90, 160_000_000, 7.0),
+)
+ACCURACY = {c.label: c.accuracy for c in CANDIDATES}
+DEADLINE_MS = 10.0
+JITTER = 0.04  # each latency is the entry's idle latency x load x uniform(1 - JITTER, 1 + JITTER)
+SETTLE = 5  # requests at the start of a phase left out of its miss rate
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Policy(Protocol):
+    def choose(self) -> str: ...
+    def observe(self, label: str, ms: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Served:
+    label: str
+    ms: float
+    load: float
+
+
+def simulate(
+    policy: Policy, clock: FakeClock, loads: Sequence[float], dt: float = 0.05, jitter: float = JITTER,
+    extra: Mapping[str, float] | None = None, seed: int = 0,
+) -> list[Served]:
+    """Request i arrives at clock i * dt and takes base[label] * loads[i] * jitter (* extra[label])."""
+    noise = random.Random(seed)
+    base = {c.label: c.expected_ms for c in CANDIDATES}
+    served = []
+    for i, load in enumerate(loads):
+        clock.now = i * dt
+        label = policy.choose()
+        ms = base[label] * load * noise.uniform(1 - jitter, 1 + jitter) * (extra or {}).get(label, 1.0)
+        policy.observe(label, ms)
+        served.append(Served(label, ms, load))
+    return served
+
+
+def phases(*spec: tuple[float, int]) -> list[float]:
+    return [load for load, count in spec for _ in range(count)]
+
+
+def best_fitting(load: float, headroom: float = 0.9) -> str:
+    """The most accurate ladder entry whose slowest jittered latency is within headroom * deadline."""
+    fits = [c for c in CANDIDATES if c.expected_ms * load * (1 + JITTER) <= headroom * DEADLINE_MS]
+    return max(fits, key=lambda c: c.accuracy).label
+
+
+def phase_report(served: list[Served]) -> list[tuple[float, float, float]]:
+    """Per phase (a run of equal loads): (load, miss rate after SETTLE requests, share served by best_fitting)."""
+    report, start = [], 0
+    for end in range(1, len(served) + 1):
+        if end == len(served) or served[end].load != served[start].load:
+            phase = served[start:end]
+            misses = sum(s.ms > DEADLINE_MS for s in phase[SETTLE:]) / len(phase[SETTLE:])
+            best = sum(s.label == best_fitting(phase[0].load) for s in phase) / len(phase)
+            report.append((phase[0].load, misses, best))
+            start = end
+    return report
+
+
+def assert_meets_deadline(served: list[Served]) -> None:
+    for load, misses, best in phase_report(served):
+        assert misses <= 0.05, f"load x{load}: {misses:.1%} of requests missed the deadline"
+        assert best >= 0.95, f"load x{load}: the best fitting entry served only {best:.1%}"
+
+
+LOAD_PHASES = phases((1.0, 1000), (2.0, 1000), (3.0, 1000), (1.0, 2000))  # idle, busy, very busy, idle
+
+
+def run_phases() -> tuple[AdaptivePolicy, list[Served]]:
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS, probe_after_s=1.0), clock)
+    return policy, simulate(policy, clock, LOAD_PHASES)
+
+
+def test_phases_meet_the_deadline_with_the_most_accurate_fitting_entry():
+    policy, served = run_phases()
+    report = phase_report(served)
+    assert [load for load, _, _ in report] == [1.0, 2.0, 3.0, 1.0]
+    assert [best_fitting(load) for load in (1.0, 2.0, 3.0)] == ["g1.0", "g0.5", "g0.25"]
+    assert_meets_deadline(served)
+    assert report[0][2] == 1.0  # the start fits the idle machine at once
+    assert sum(s.ms > DEADLINE_MS for s in served) <= 2  # only the first request of each heavier phase
+    assert len(policy.switches) == 5  # down twice, then up the three steps one at a time
+
+
+class AlwaysMostAccurate:
+    def choose(self) -> str:
+        return "g1.0"
+
+    def observe(self, label: str, ms: float) -> None:
+        pass
+
+
+def test_the_deadline_check_catches_a_policy_that_ignores_the_deadline():
+    served = simulate(AlwaysMostAccurate(), FakeClock(), LOAD_PHASES)
+    with pytest.raises(AssertionError, match="missed the deadline"):
+        assert_meets_deadline(served)
+    assert [misses for _, misses, _ in phase_report(served)] == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_dominated_entries_and_non_candidates_are_never_chosen():
+    policy, served = run_phases()
+    assert policy.ladder == ("g0.25", "g0.5", "g0.75", "g1.0")
+    assert {s.label for s in served} <= set(policy.ladder)
+    assert all(s.to_label in policy.ladder for s in policy.switches)
+
+
+def test_determinism():
+    (first, served_first), (second, served_second) = run_phases(), run_phases()
+    assert first.switches == second.switches and served_first == served_second
+
+
+def test_steps_down_on_the_first_missed_request_straight_to_the_fitting_entry():
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
+    served = simulate(policy, clock, phases((1.0, 100), (2.0, 100)), jitter=0.0)
+    assert [s.label for s in served[:101]] == ["g1.0"] * 101  # request 100 takes 14 ms: a miss
+    assert {s.label for s in served[101:]} == {"g0.5"}  # skips g0.75 (12 ms at x2)
+    assert policy.switches == [Switch(5.0, "g1.0", "g0.5", policy.switches[0].reason)]
+    assert policy.switches[0].reason.startswith("miss: g1.0 took 14 ms > 10 ms")
+    assert policy.expected_ms("g1.0") == pytest.approx(14.0) and policy.slowdown == pytest.approx(2.0)
+
+
+def test_steps_down_when_the_percentile_crosses_the_headroom_without_a_miss():
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
+    served = simulate(policy, clock, phases((1.0, 100), (9.5 / 7.0, 100)), jitter=0.0)  # g1.0: 9.5 ms
+    assert max(s.ms for s in served) < DEADLINE_MS
+    # request 100 alone is one sample in twenty, below the 95th percentile; request 101 is not
+    assert [s.label for s in served[:102]] == ["g1.0"] * 102 and served[102].label == "g0.75"
+    assert len(policy.switches) == 1 and policy.switches[0].reason.startswith("threat: g1.0 expected 9.5 ms > 9 ms")
+
+
+def test_probes_up_one_step_per_quiet_period_only():
+    clock, dt = FakeClock(), 0.125
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS, probe_after_s=5.0), clock)
+    served = simulate(policy, clock, phases((1.0, 64), (3.0, 8), (1.0, 200)), dt=dt, jitter=0.0)
+    # the threat at request 64 (t = 8 s); idle again from request 72, the slowdown back to 1
+    # from request 91, but the first probe only once 5 s passed without a threat
+    assert [(s.at, s.from_label, s.to_label) for s in policy.switches] == [
+        (8.0, "g1.0", "g0.25"), (13.0, "g0.25", "g0.5"), (18.0, "g0.5", "g0.75"), (23.0, "g0.75", "g1.0"),
+    ]
+    assert [s.reason.split(":")[0] for s in policy.switches] == ["miss", "probe", "probe", "probe"]
+    labels = [s.label for s in served]
+    assert set(labels[65:104]) == {"g0.25"} and labels[104] == "g0.5"
+    assert labels.index("g0.75") == 144 and labels.index("g1.0", 104) == 184 and set(labels[184:]) == {"g1.0"}
+
+
+BIG_SLOWER = {"g1.0": 1.4}  # memory-bound: the largest entry slows down more than the others predict
+
+
+def test_failed_probes_back_off_doubling_to_the_cap_and_a_success_resets_it():
+    clock, dt = FakeClock(), 0.05
+    deadline = Deadline(DEADLINE_MS, probe_after_s=5.0, max_backoff=8.0)
+    policy = AdaptivePolicy(CANDIDATES, deadline, clock)
+    simulate(policy, clock, [1.0] * 3000, dt=dt, extra=BIG_SLOWER)  # 150 s; g1.0 takes ~9.8 ms
+    ups = [s for s in policy.switches if s.reason.startswith("probe")]
+    downs = [s for s in policy.switches if not s.reason.startswith("probe")]
+    assert all(s.to_label == "g1.0" for s in ups) and all(s.to_label == "g0.75" for s in downs)
+    quiet = [up.at - down.at for down, up in zip(downs, ups)]
+    # the start failed too (backoff 2); each failed probe doubles it, capped at 8 x 5 s
+    assert quiet == pytest.approx([10.0, 20.0, 40.0, 40.0], abs=dt * 1.01)
+    assert policy.backoff == 8.0
+    probe_at = clock.now = clock.now + 40.0  # the load that slowed g1.0 is gone
+    assert policy.choose() == "g1.0"
+    for i in range(100):  # g1.0 fits now: no threat for 5 s is a sustained success
+        clock.now = probe_at + i * dt
+        policy.observe(policy.choose(), 7.0)
+    assert policy.backoff == 8.0
+    clock.now = probe_at + 5.0
+    assert policy.choose() == "g1.0" and policy.backoff == 1.0
+
+
+@pytest.mark.parametrize("loads, extra, most", [
+    ([9.0 / 7.0] * 1000, None, 1),  # g1.0 right at the headroom, jitter across it
+    ([9.0 / 7.0 * (1 + 0.08 * math.sin(i / 60)) for i in range(1000)], None, 1),  # wandering around it
+    ([1.0] * 1000, BIG_SLOWER, 5),  # g1.0 looks like it fits but does not: failed probes, backing off
+], ids=["at-headroom", "wandering", "failing-probes"])
+def test_a_load_at_a_boundary_does_not_oscillate(loads: list[float], extra: dict | None, most: int):
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
+    served = simulate(policy, clock, loads, extra=extra)
+    assert len(policy.switches) <= most
+    assert sum(s.ms > DEADLINE_MS for s in served) <= 5
+    assert sum(s.label == "g0.75" for s in served) >= 0.95 * len(served)
+
+
+def test_start_without_a_fitting_entry_serves_the_fastest():
+    assert AdaptivePolicy(CANDIDATES, Deadline(1.0), FakeClock()).current == "g0.25"
+    assert AdaptivePolicy(CANDIDATES, Deadline(7.5), FakeClock()).current == "g0.75"  # 6 ms <= 7.5 * 0.9
+
+
+def test_ladder_ties_and_unmeasured_accuracy():
+    same = [Candidate("b", 0.8, 20, 5.0), Candidate("a", 0.8, 10, 5.0), Candidate("slow", 0.8, 5, 6.0)]
+    assert [c.label for c in build_ladder(same)] == ["a"]  # equally accurate: faster, then fewer MACs
+    unmeasured = [Candidate("x", None, 30, 3.0), Candidate("y", 0.9, 10, 4.0), Candidate("z", None, 50, 2.0)]
+    assert [c.label for c in build_ladder(unmeasured)] == ["z"]  # ranked by MACs: z is largest and fastest
+    by_macs = [Candidate("s", None, 10, 1.0), Candidate("m", None, 20, 2.0), Candidate("l", 0.9, 40, 3.0)]
+    assert [c.label for c in build_ladder(by_macs)] == ["s", "m", "l"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("ms", 0.0), ("ms", math.nan), ("ms", math.inf), ("percentile", 0.0), ("percentile", 101.0),
+    ("window", 0), ("window", 2.5), ("window", True), ("headroom", 0.0), ("headroom", 1.5),
+    ("probe_after_s", -1.0), ("up_margin", 1.0), ("up_margin", 0.0), ("max_backoff", 0.5),
+])
+def test_bad_deadline_settings_name_the_field(field: str, value: object):
+    settings = {"ms": DEADLINE_MS, field: value}
+    with pytest.raises(ValueError, match=rf"^Deadline\.{field}: must be [^\n]*$"):
+        Deadline(**settings)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Candidate("g1.0", 0.9, 1, 0.0), "expected_ms"),
+    (lambda: Candidate("g1.0", 0.9, 1, -2.0), "expected_ms"),
+    (lambda: Candidate("g1.0", 0.9, 1, math.nan), "expected_ms"),
+    (lambda: Candidate("g1.0", 0.9, -1, 1.0), "macs"),
+    (lambda: Candidate("", 0.9, 1, 1.0), "label"),
+    (lambda: AdaptivePolicy([], Deadline(DEADLINE_MS)), "candidates"),
+    (lambda: AdaptivePolicy([CANDIDATES[0], CANDIDATES[0]], Deadline(DEADLINE_MS)), "candidates: duplicate labels g0.25"),
+])
+def test_bad_candidates_raise_one_line(make: Callable[[], object], match: str):
+    with pytest.raises(ValueError, match=match) as error:
+        make()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("label, ms, match", [
+    ("g2.0", 1.0, "label: 'g2.0' is not a candidate"), ("g1.0", -1.0, "ms"), ("g1.0", math.nan, "ms"),
+])
+def test_bad_observations_raise(label: str, ms: float, match: str):
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), FakeClock())
+    with pytest.raises(ValueError, match=match):
+        policy.observe(label, ms)
+    with pytest.raises(ValueError, match="label"):
+        policy.expected_ms("g2.0")
+    assert policy.switches == [] and policy.slowdown == 1.0
