@@ -106,7 +106,7 @@ def test_phases_meet_the_deadline_with_the_most_accurate_fitting_entry():
     assert [best_fitting(load) for load in (1.0, 2.0, 3.0)] == ["g1.0", "g0.5", "g0.25"]
     assert_meets_deadline(served)
     assert report[0][2] == 1.0  # the start fits the idle machine at once
-    assert sum(s.ms > DEADLINE_MS for s in served) <= 2  # only the first request of each heavier phase
+    assert sum(s.ms > DEADLINE_MS for s in served) <= 4  # only the first two requests of each heavier phase
     assert len(policy.switches) == 5  # down twice, then up the three steps one at a time
 
 
@@ -137,13 +137,15 @@ def test_determinism():
     assert first.switches == second.switches and served_first == served_second
 
 
-def test_steps_down_on_the_first_missed_request_straight_to_the_fitting_entry():
+def test_steps_down_on_the_second_missed_request_straight_to_the_fitting_entry():
+    """One miss in twenty requests is what the 95th percentile allows (a jitter outlier does
+    not move the policy); the second makes the percentile the new load's."""
     clock = FakeClock()
     policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
     served = simulate(policy, clock, phases((1.0, 100), (2.0, 100)), jitter=0.0)
-    assert [s.label for s in served[:101]] == ["g1.0"] * 101  # request 100 takes 14 ms: a miss
-    assert {s.label for s in served[101:]} == {"g0.5"}  # skips g0.75 (12 ms at x2)
-    assert policy.switches == [Switch(5.0, "g1.0", "g0.5", policy.switches[0].reason)]
+    assert [s.label for s in served[:102]] == ["g1.0"] * 102  # requests 100 and 101 take 14 ms: misses
+    assert {s.label for s in served[102:]} == {"g0.5"}  # skips g0.75 (12 ms at x2)
+    assert policy.switches == [Switch(101 * 0.05, "g1.0", "g0.5", policy.switches[0].reason)]
     assert policy.switches[0].reason.startswith("miss: g1.0 took 14 ms > 10 ms")
     assert policy.expected_ms("g1.0") == pytest.approx(14.0) and policy.slowdown == pytest.approx(2.0)
 
@@ -162,15 +164,16 @@ def test_probes_up_one_step_per_quiet_period_only():
     clock, dt = FakeClock(), 0.125
     policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS, probe_after_s=5.0), clock)
     served = simulate(policy, clock, phases((1.0, 64), (3.0, 8), (1.0, 200)), dt=dt, jitter=0.0)
-    # the threat at request 64 (t = 8 s); idle again from request 72, the slowdown back to 1
-    # from request 91, but the first probe only once 5 s passed without a threat
+    # the threat at request 65 (t = 8.125 s, the second slow one); idle again from request 72,
+    # the slowdown back to 1 from request 91, but the first probe only once 5 s passed without
+    # a threat
     assert [(s.at, s.from_label, s.to_label) for s in policy.switches] == [
-        (8.0, "g1.0", "g0.25"), (13.0, "g0.25", "g0.5"), (18.0, "g0.5", "g0.75"), (23.0, "g0.75", "g1.0"),
+        (8.125, "g1.0", "g0.25"), (13.125, "g0.25", "g0.5"), (18.125, "g0.5", "g0.75"), (23.125, "g0.75", "g1.0"),
     ]
     assert [s.reason.split(":")[0] for s in policy.switches] == ["miss", "probe", "probe", "probe"]
     labels = [s.label for s in served]
-    assert set(labels[65:104]) == {"g0.25"} and labels[104] == "g0.5"
-    assert labels.index("g0.75") == 144 and labels.index("g1.0", 104) == 184 and set(labels[184:]) == {"g1.0"}
+    assert set(labels[66:105]) == {"g0.25"} and labels[105] == "g0.5"
+    assert labels.index("g0.75") == 145 and labels.index("g1.0", 105) == 185 and set(labels[185:]) == {"g1.0"}
 
 
 BIG_SLOWER = {"g1.0": 1.4}  # memory-bound: the largest entry slows down more than the others predict

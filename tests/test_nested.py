@@ -6,12 +6,14 @@ per-tier files and as a nested package, at FP32, INT8 and FP16. The per-tier fil
 reference the package is held to.
 """
 
+import collections
 import json
 import re
 import shutil
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper, numpy_helper
@@ -21,9 +23,8 @@ from nefl_zoo.export import ExportSource, export_tiers
 from nefl_zoo.export.nested import quantize_per_channel
 from nefl_zoo.manifest import ManifestError, file_sha256, load_manifest, parse_manifest
 from nefl_zoo.runtime import Deadline, TierRuntime
-from nefl_zoo.runtime.arrays import ArrayFileError, parse_safetensors
-from nefl_zoo.runtime.nested import SLICES_KEY, Slice, materialize, parse_tier_file
-from nefl_zoo.runtime.wire import external_tensors, with_initializers
+from nefl_zoo.runtime.arrays import parse_safetensors
+from nefl_zoo.runtime.nested import SLICES_KEY, materialize, parse_tier_file
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 from nefl_zoo_cli.app import app
@@ -114,6 +115,31 @@ def test_every_entry_gives_its_tier_files_outputs(exports):
             fp32 = by_file.run(x, entry.name)
             assert (logits.argmax(1) == fp32.argmax(1)).mean() >= 0.9, entry.label
             assert np.abs(logits - fp32).max() <= 0.25 * max(1, np.abs(fp32).max())
+
+
+def optimized_ops(model: bytes, tmp_path, name: str) -> collections.Counter:
+    """The operators onnxruntime runs for ``model`` after its graph optimizations."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+
+
+def test_onnxruntime_runs_the_same_kernels_for_an_entry_as_for_its_tier_file(exports, tmp_path):
+    """The same fused operators (QLinearConv, QLinearAdd, ... for INT8): what makes a package
+    entry as fast as its per-tier file. A scalar stored as a 1-element tensor, for one, keeps
+    onnxruntime from fusing an INT8 residual add."""
+    from nefl_zoo.runtime.nested import NestedPackage
+
+    _, _, files, nested = exports
+    manifest = load_manifest(nested)
+    package = NestedPackage(manifest, nested)
+    for entry in manifest.tiers:
+        own = optimized_ops(package.model_bytes(entry), tmp_path, "nested")
+        reference = optimized_ops((files / load_manifest(files).tier(entry.label).file).read_bytes(), tmp_path, "file")
+        assert own == reference, entry.label
+    assert own["QLinearConv"] > 0 or manifest.tiers[-1].precision != "int8"
 
 
 def test_int8_weights_are_quantized_once_over_the_full_tensor(exports):
@@ -285,9 +311,9 @@ def test_the_device_bench_runs_a_package_without_torch(exports, tmp_path):
 
 
 def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_deadline(exports):
-    """A fake clock makes every entry take its export latency times a load: under a 4x load
-    the runtime leaves the most accurate entry on the first slow request and then keeps within
-    the deadline."""
+    """A fake clock makes every entry take its given latency times a load: under a 4x load the
+    runtime leaves the most accurate entry on the second slow request and then keeps within the
+    deadline."""
     nested = exports[3]
     manifest = load_manifest(nested)
     base = {t.label: 0.5 + t.macs_ratio * 4 for t in manifest.tiers}  # ms, growing with the MACs
@@ -309,69 +335,7 @@ def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_dead
         runtime.run(x, "adaptive")
         served.append((runtime.last_label, base[runtime.last_label] * load[0]))
     assert {label for label, _ in served[:20]} == {"full"}  # the most accurate fitting entry, idle
-    assert served[20][1] > 6.0 and all(ms <= 6.0 for _, ms in served[21:])  # one miss, then none
+    assert [ms > 6.0 for _, ms in served[20:]] == [True, True] + [False] * 38  # two misses (what p95 allows), then none
     assert runtime.adaptive.switches[0].from_label == "full"
     with pytest.raises(ValueError, match="tier adaptive: this runtime has no policy"):
         TierRuntime(nested).run(x, "adaptive")
-
-
-# ---- the numpy-only readers -------------------------------------------------------------
-def test_safetensors_reader_refuses_malformed_files():
-    from safetensors.numpy import save
-
-    good = save({"a": np.arange(4, dtype=np.float32), "b": np.ones((2, 2), np.int8)}, metadata={"k": "v"})
-    arrays, metadata = parse_safetensors(good)
-    np.testing.assert_array_equal(arrays["a"], np.arange(4)) and metadata == {"k": "v"}
-    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
-    framed = lambda h, body: len(h).to_bytes(8, "little") + h + body  # noqa: E731
-    cases = [
-        (b"abc", "shorter than the 8-byte header length"),
-        ((10**9).to_bytes(8, "little") + b"{}", "runs past the end"),
-        (framed(b"not json", b""), "header is not JSON"),
-        (framed(header, b"\0" * 4), "outside the 4 data bytes"),
-        (framed(header, b"\0" * 12), "data bytes 8..12 belong to no tensor"),
-        (framed(header.replace(b"F32", b"F64"), b"\0" * 8), "needs dtype"),
-        (framed(header.replace(b"[2]", b"[3]"), b"\0" * 8), "does not fill data_offsets"),
-    ]
-    for data, message in cases:
-        with pytest.raises(ArrayFileError, match=re.escape(message)):
-            parse_safetensors(data)
-
-
-def test_wire_walk_finds_external_data_anywhere_and_assembly_round_trips():
-    weight = numpy_helper.from_array(np.arange(3, dtype=np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["input", "w"], ["logits"])], "g",
-        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [None, 3])],
-        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [None, 3])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    assembled = onnx.load_model_from_string(with_initializers(model.SerializeToString(), {"w": np.arange(3, dtype=np.float32)}))
-    assert [t.name for t in assembled.graph.initializer] == ["w"]
-    np.testing.assert_array_equal(numpy_helper.to_array(assembled.graph.initializer[0]), np.arange(3))
-    assert external_tensors(assembled.SerializeToString()) == []
-    external = onnx.TensorProto()
-    external.CopyFrom(weight)
-    external.ClearField("raw_data")
-    external.data_location = onnx.TensorProto.EXTERNAL
-    branch = helper.make_graph([helper.make_node("Constant", [], ["c"], value=external)], "b", [],
-                               [helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [3])])
-    model.graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=branch, else_branch=branch))
-    assert external_tensors(model.SerializeToString()) == ["w", "w"]  # inside both subgraphs
-
-
-def test_materialize_refuses_regions_that_do_not_fit():
-    shared = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    tier = {"i": np.array([2, 0], np.int64), "f": np.array([2.0, 3.0], np.float32)}
-    np.testing.assert_array_equal(materialize(Slice("x", "w", ("i", (1, 3)), "f"), shared, tier), [[18, 20], [3, 6]])
-    padded = materialize(Slice("x", "w", ((0, 1), None), pad=(2, 5)), shared, tier)
-    np.testing.assert_array_equal(padded, [[0, 1, 2, 3, 0], [0, 0, 0, 0, 0]])
-    for cut, message in [
-        (Slice("x", "v", (None, None)), "shared tensor v is not in the shared file"),
-        (Slice("x", "w", ((0, 4), None)), r"index\[0\] \[0, 4\] runs past w's 3"),
-        (Slice("x", "w", (None,)), "1 index dimensions for w of shape"),
-        (Slice("x", "w", ("f", None)), "is not a 1-D int64 tensor"),
-        (Slice("x", "w", (None, None), "f"), "scale f is not a tier tensor of 3 values"),
-        (Slice("x", "w", (None, None), pad=(2, 4)), "pad .* is smaller than its slice"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            materialize(cut, shared, tier)

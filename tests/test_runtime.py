@@ -631,3 +631,36 @@ def test_a_load_reads_its_tier_file_once_and_runs_those_bytes(exported, export_c
     with pytest.raises(ManifestError, match=r"small.onnx: sha256 .* does not match the manifest's"):
         TierRuntime(export_copy).session("small")
     assert len(opens) == 2
+
+
+def test_a_tier_with_external_data_is_refused_by_every_command_whatever_the_working_directory(exported, export_copy, monkeypatch, tmp_path):
+    """``small.onnx`` rewritten with one initializer in ``weights.bin`` (the manifest's hash
+    updated to match): onnxruntime would read ``weights.bin`` relative to the working directory,
+    bytes no hash covers. ``predict``, ``select`` and ``bench-tiers`` refuse it in one line,
+    from the export folder (where ``weights.bin`` lies) as from anywhere else."""
+    import onnx
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from nefl_zoo_cli.app import app
+
+    model = onnx.load(str(export_copy / "small.onnx"))
+    name = model.graph.initializer[0].name
+    onnx.external_data_helper.convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
+    onnx.save_model(model, str(export_copy / "small.onnx"))
+    assert (export_copy / "weights.bin").exists()
+    edit_manifest(export_copy, lambda m: m["tiers"][0].update(sha256=file_sha256(export_copy / "small.onnx")))
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "x.png")
+    commands = [
+        ["predict", str(export_copy), str(tmp_path / "x.png"), "--tier", "small"],
+        ["select", str(export_copy), "--max-params", str(load_manifest(export_copy).tier("small").params)],
+        ["bench-tiers", str(export_copy), "--runs", "1"],
+    ]
+    for cwd in (export_copy, tmp_path):
+        monkeypatch.chdir(cwd)
+        for command in commands:
+            result = CliRunner().invoke(app, command)
+            assert result.exit_code == 2, (command, result.output)
+            assert result.stderr.count("\n") == 1 and re.search(
+                rf"^error: \S*small.onnx: tensor {re.escape(name)}( \(and \d+ more\))? is stored as external data", result.stderr
+            ), result.stderr

@@ -25,12 +25,12 @@ One job per module:
 """
 
 from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
+from ..runtime.latency import machine_description
 from .onnx_file import (
     INPUT_NAME,
     MIN_OPSET,
     OUTPUT_NAME,
     activation_bytes_per_sample,
-    machine_description,
     tier_filename,
     write_onnx,
 )

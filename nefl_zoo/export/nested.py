@@ -231,7 +231,7 @@ def nested_entry(model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[s
     short = dict(zip(names, (t.name for t in graph.graph.initializer)))
     del graph.graph.initializer[:]
     literals = [short[n] for n in arrays if n not in slices]
-    tier_arrays = {short[n]: np.ascontiguousarray(a) for n, a in arrays.items() if n not in slices}
+    tier_arrays = {short[n]: np.asarray(a, order="C") for n, a in arrays.items() if n not in slices}
     for _, extra in slices.values():
         tier_arrays.update(extra)
     cuts = [dataclasses.replace(cut, name=short[cut.name]) for cut, _ in slices.values()]
@@ -243,4 +243,4 @@ def shared_file(shared: SharedTensors) -> bytes:
     """The shared tensors file of one precision."""
     from safetensors.numpy import save
 
-    return save({k: np.ascontiguousarray(v) for k, v in sorted(shared.arrays.items())})
+    return save({k: np.asarray(v, order="C") for k, v in sorted(shared.arrays.items())})

@@ -2,9 +2,8 @@
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
 the one file; :func:`activation_bytes_per_sample` reads the largest working set from ONNX
-shape inference; :func:`machine_description` (the runtime's) names where latencies are measured and
-:func:`cpu_channel_block` the channel block its CPU kernels prefer; :func:`onnx_latency_ms`
-times a module as export would write it.
+shape inference; :func:`cpu_channel_block` names the channel block the CPU kernels prefer
+and :func:`onnx_latency_ms` times a module as export would write it.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch
 from torch import nn
 
 from ..runtime import session_from_bytes
-from ..runtime.latency import machine_description
 from ..timing import median_ms
 from .surgery import fold_batchnorm
 

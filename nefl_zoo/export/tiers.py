@@ -26,6 +26,7 @@ from .. import __version__
 from ..datasets import CLASS_NAMES, NORMALIZATION
 from ..manifest import FORMATS, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers
+from ..runtime.latency import machine_description
 from ..timing import interleaved_median_ms
 from .onnx_file import (
     INPUT_NAME,
@@ -33,7 +34,6 @@ from .onnx_file import (
     OUTPUT_NAME,
     activation_bytes_per_sample,
     cpu_channel_block,
-    machine_description,
     tier_filename,
     write_onnx,
 )

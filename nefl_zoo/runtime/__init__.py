@@ -8,12 +8,22 @@ Depends only on numpy, onnxruntime, pydantic and the standard library (never tor
     logits = rt.run(images, tier="g1.0")       # or any tier's FP32 file by its name,
     logits = rt.run(images, tier="g1.0:int8")  # or any entry by its label; sessions stay cached
 
-Every tier file (of any precision) is read once into memory (:func:`read_tier`): its path must stay inside the
-manifest's folder (no ``..``, no symlink out of it), its bytes are checked against the
-manifest's sha256, and those same bytes, never the path again, are handed to onnxruntime
-(:func:`session_from_bytes`), so a file swapped after the check is never run. A session's
-input and output shapes are checked against the manifest's ``input.shape`` and
-``output.num_classes`` when it is created.
+    rt = TierRuntime("exports/resnet20", policy=Deadline(ms=5, percentile=95))
+    logits = rt.run(images, tier="adaptive")   # the entry the deadline policy chooses, timed
+
+Every file (of any precision and format) is read once into memory (:func:`read_tier`): its
+path must stay inside the manifest's folder (no ``..``, no symlink out of it), its bytes are
+checked against the manifest's sha256, and those same bytes, never the path again, are handed
+to onnxruntime (:func:`session_from_bytes`), so a file swapped after the check is never run; a
+model that keeps any tensor in external data is refused (:func:`check_self_contained`). A
+nested package's entries are assembled in memory from its shared tensors (:mod:`.nested`). A
+session's input and output shapes are checked against the manifest's ``input.shape`` and
+``output.num_classes`` when it is created. ``python -m nefl_zoo.runtime bench PACKAGE``
+measures every entry's latency on the device (:mod:`.latency`).
+
+Modules: ``session`` (hash-checked bytes and sessions), ``tiers`` (:class:`TierRuntime`),
+``nested`` (packages), ``wire`` and ``arrays`` (protobuf and safetensors read with numpy),
+``adaptive`` (the deadline policy), ``latency`` (tables measured on the device).
 """
 
 from .adaptive import AdaptivePolicy, Candidate, Deadline

@@ -19,9 +19,11 @@ Rules:
   latency is its baseline times the slowdown.
 * Start: the most accurate entry whose baseline is within ``headroom * ms``, else the fastest.
 * Threat: an observation that makes the current entry's expected latency exceed
-  ``headroom * ms``, the latest ratio counted in full when it missed the deadline, so one
-  miss is enough. On a threat the policy steps down at once to the most accurate entry
-  within ``headroom * ms`` under that slowdown (several steps if need be; the fastest if none).
+  ``headroom * ms``. A single slow request among ``window`` is what ``percentile`` allows
+  (a jitter outlier does not move the policy); the second one within the window makes the
+  percentile the new load's. On a threat the policy steps down at once to the most accurate
+  entry within ``headroom * ms`` under that slowdown (several steps if need be; the fastest
+  if none).
 * Probe: after a quiet period (``probe_after_s * backoff`` seconds of the clock with no
   threat and no switch, and at least one observation since the last switch) one step up,
   only when that entry's expected latency is within ``up_margin * headroom * ms``, stricter
@@ -220,12 +222,12 @@ class AdaptivePolicy:
         self._ratios.append(ratio)
         self._slowdown = percentile(self._ratios, self.deadline.percentile)
         self._observed_since_switch += 1
-        missed = ms > self.deadline.ms
-        slowdown = max(self._slowdown, ratio) if missed else self._slowdown
+        slowdown = self._slowdown
         budget = self.deadline.headroom * self.deadline.ms
         expected = self._ladder[self._index].expected_ms * slowdown
         if expected <= budget:
             return
+        missed = ms > self.deadline.ms
         self._quiet_since = now
         if self._on_trial:
             self._on_trial = False

@@ -169,7 +169,7 @@ def materialize(cut: Slice, shared: Mapping[str, np.ndarray], tier: Mapping[str,
         padded = np.zeros(cut.pad, array.dtype)
         padded[tuple(slice(0, n) for n in array.shape)] = array
         array = padded
-    return np.ascontiguousarray(array)
+    return np.asarray(array, order="C")  # (ascontiguousarray would make a scalar 1-D)
 
 
 class NestedPackage:

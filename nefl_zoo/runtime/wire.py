@@ -180,7 +180,7 @@ def tensor_proto(name: str, array: np.ndarray) -> bytes:
         out += _key(_TENSOR_DIMS, 0) + _encode_varint(int(dim))
     out += _key(_TENSOR_TYPE, 0) + _encode_varint(ONNX_DTYPES[array.dtype])
     out += _length_delimited(_TENSOR_NAME, name.encode("utf-8"))
-    out += _length_delimited(_TENSOR_RAW, np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
+    out += _length_delimited(_TENSOR_RAW, array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
     return bytes(out)
 
 
