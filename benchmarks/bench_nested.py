@@ -47,7 +47,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bench_quant import machine  # lscpu's model name, CPUs and SIMD flags: one description for both benchmarks
 from nefl_zoo.manifest import Manifest
 from nefl_zoo.runtime import Deadline, TierRuntime
 from nefl_zoo.timing import interleaved_median_ms
@@ -79,16 +79,6 @@ MATMUL = [sys.executable, "-c", "import numpy as np\na = np.ones((1024, 1024), n
 
 
 # ---------------------------------------------------------------- machine
-
-
-def machine() -> str:
-    """lscpu's model name and the core count."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        text = ""
-    model = re.search(r"Model name:\s*(.+)", text)
-    return f"{model.group(1).strip() if model else 'unknown CPU'}, {os.cpu_count()} cores"
 
 
 def loadavg() -> str:

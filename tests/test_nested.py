@@ -339,3 +339,67 @@ def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_dead
     assert runtime.adaptive.switches[0].from_label == "full"
     with pytest.raises(ValueError, match="tier adaptive: this runtime has no policy"):
         TierRuntime(nested).run(x, "adaptive")
+
+
+def test_a_package_that_reads_back_other_than_it_was_made_is_not_published(exports, tmp_path, monkeypatch):
+    """The staged package is read back through the runtime before it is published: a shared
+    file written with one weight changed (as a bad disk or a writer bug would) fails the
+    export, and nothing is published."""
+    from nefl_zoo.export import ExportError
+    from nefl_zoo.export import package as package_module
+
+    compiled, state = exports[0], exports[1]
+    real = package_module.shared_file
+
+    def one_weight_changed(shared):
+        data = bytearray(real(shared))
+        data[8 + int.from_bytes(data[:8], "little") + 3] ^= 0x40  # the first weight of the first tensor, in every tier
+        return bytes(data)
+
+    monkeypatch.setattr(package_module, "shared_file", one_weight_changed)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="the package read back gives other logits than when it was made"):
+        export_tiers(ExportSource(compiled, state, "test"), out, tiers=["small"], latency_runs=1, threads=1, format="nested")
+    assert not (out / "manifest.json").exists()
+
+
+def test_padded_tiers_share_their_weights_too(exports, tmp_path):
+    """With inner channels zero-padded (``channel_align``), every FP32 and INT8 weight of the
+    tier is still a (zero-padded) slice of a shared tensor, and FP32 gives the padded tier
+    file's logits bit for bit."""
+    compiled, state = exports[0], exports[1]
+    x = images(compiled)
+    out = {}
+    for layout in ("files", "nested"):
+        out[layout] = tmp_path / layout
+        export_tiers(ExportSource(compiled, state, "test"), out[layout], tiers=["small"], latency_runs=1, threads=1,
+                     channel_align=16, precisions=["fp32", "int8"], calibration=images(compiled, 32, seed=2),
+                     format=layout, warn=pytest.fail)
+    manifest = load_manifest(out["nested"])
+    assert all(t.channel_align == 16 for t in manifest.tiers)
+    np.testing.assert_array_equal(TierRuntime(out["nested"]).run(x, "small"), TierRuntime(out["files"]).run(x, "small"))
+    for entry in manifest.tiers:
+        tier = parse_tier_file((out["nested"] / entry.tensors.file).read_bytes(), entry.label)
+        padded = [cut for cut in tier.slices if cut.pad is not None]
+        literal_weights = [n for n in tier.literals if tier.arrays[n].ndim == 4]
+        assert padded and not literal_weights, entry.label
+
+
+def test_the_adaptive_runtime_runs_each_ladder_session_once_before_serving(exports, monkeypatch):
+    """A first run allocates and is slow; the runtime runs every session of the ladder once
+    when it starts, so the policy never takes that for a slowdown."""
+    import nefl_zoo.runtime.tiers as tiers_module
+
+    runs = collections.Counter()
+    real = tiers_module.session_from_bytes
+
+    def counting(model, source, *args, **kwargs):
+        session = real(model, source, *args, **kwargs)
+        run = session.run
+        session.run = lambda *a, **k: (runs.update([source.rsplit("/", 1)[-1]]), run(*a, **k))[1]
+        return session
+
+    monkeypatch.setattr(tiers_module, "session_from_bytes", counting)
+    runtime = TierRuntime(exports[3], policy=Deadline(ms=1000.0), precisions=["fp32"])
+    assert set(runs) == {load_manifest(exports[3]).tier(label).file for label in runtime.adaptive.ladder}
+    assert set(runs.values()) == {1}
