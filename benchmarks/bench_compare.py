@@ -68,7 +68,7 @@ def flatness_table(out: Path, config, rows: list[Entry], seeds: int) -> str:
     lines = [f"| Method | BN | worst case at the end | change over last 5 rounds (points) | seed std at the end | "
              f"noise: max(std, SE on {images} test images) | flat |", "|---|---|---|---|---|---|---|"]
     for treatment in treatments(runs):
-        found = curves(out, rows, [config.seed + s for s in range(seeds)], treatment)
+        found = curves(out, rows, runs, [config.seed + s for s in range(seeds)], treatment)
         for e in rows:
             change, noise = flatness(found[e.key], images)
             acc = found[e.key][1][:, -1]

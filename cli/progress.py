@@ -43,7 +43,8 @@ class RichProgress:
         table.add_column("accuracy", justify="right")
         for tier, acc in result.acc.items():
             table.add_row(tier, f"{engine.strategy.submodel_numel(tier):,}", f"{100 * acc:.2f}%")
-        table.add_row("worst / avg", "", f"{100 * result.worst:.2f}% / {100 * result.avg:.2f}%")
+        worst = f"worst ({result.worst_case})" if result.worst_case else "worst (minimum)"
+        table.add_row(f"{worst} / avg / min", "", f"{100 * result.worst:.2f}% / {100 * result.avg:.2f}% / {100 * result.min:.2f}%")
         out = console()
         out.print(table)
         out.print(f"communication: {result.bytes_down / 1e6:.1f} MB down, {result.bytes_up / 1e6:.1f} MB up; run dir {engine.out}")

@@ -58,6 +58,27 @@ def test_server_trains_the_global_header_with_its_own_sgd_one_step_per_lar():
     assert float(after) < float(before) and result.accepted == 1
 
 
+@pytest.mark.parametrize("server_lr", ["default", None])
+def test_the_header_learns_at_the_papers_fixed_rate_by_default_or_at_the_local_schedule(server_lr):
+    """The paper trains the header at a fixed 0.01; ``server_lr: null`` follows the local lr."""
+    from nefl_zoo.fl.client import learning_rate
+
+    args = {"rep_dim": 3} | ({} if server_lr == "default" else {"server_lr": None})
+    config = fedgh(method_args=args, train__schedule="step")
+    strategy = config.build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    x, c = torch.tensor([1.0, -2.0, 0.5]), 4
+    for server_round in (1, config.rounds):
+        lr = 0.01 if server_lr == "default" else learning_rate(config.train, server_round - 1, config.rounds)
+        result = strategy.aggregate_train(server_round, state, {0: Reply({"lar": x[None], "lar_classes": torch.tensor([c])}, level="g1")})
+        err = torch.softmax(state["header.weight"] @ x + state["header.bias"], 0)
+        err[c] -= 1
+        torch.testing.assert_close(result.state["header.bias"], state["header.bias"] - lr * err, rtol=0, atol=1e-7)
+    assert learning_rate(config.train, 0, config.rounds) != 0.01 != learning_rate(config.train, config.rounds - 1, config.rounds)
+    assert learning_rate(config.train, 0, config.rounds) != learning_rate(config.train, config.rounds - 1, config.rounds)
+
+
 def test_bad_replies_are_rejected_and_the_header_still_updates():
     strategy = fedgh(method_args={"rep_dim": 3}).build_strategy()
     torch.manual_seed(0)

@@ -25,14 +25,29 @@ def test_nefl_beats_chance_on_every_submodel_and_writes_run_dir(tmp_path):
     result = Engine(tiny(rounds=3, eval__every=3), tmp_path).run()
     assert set(result.acc) == {"g0.25", "g0.5", "g1"}
     assert all(acc > 0.3 for acc in result.acc.values()), result.acc  # chance is 0.1
-    assert result.worst == min(result.acc.values())
+    assert result.worst_case == "g0.25" and result.worst == result.acc["g0.25"] and result.min == min(result.acc.values())
     for name in ("spec.yaml", "config.yaml", "global.safetensors", "metrics.jsonl", "metrics.csv", "checkpoint.json"):
         assert (tmp_path / name).exists(), name
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [1, 2, 3]
     assert set(records[-1]["acc"]) == set(result.acc)
     csv = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert len(csv) == 4 and csv[0].endswith("acc_g0.25,acc_g0.5,acc_g1")
+    assert len(csv) == 4 and csv[0].endswith("worst,avg,min,acc_g0.25,acc_g0.5,acc_g1")
+
+
+def test_worst_is_the_smallest_submodel_not_the_minimum(tmp_path, monkeypatch):
+    """The NeFL paper's "Worst" is the worst-case (smallest) submodel; when a larger one is weaker,
+    the minimum is its own column."""
+    engine = Engine(tiny(rounds=1, eval__every=1, eval__bn_both=False), tmp_path)
+    monkeypatch.setattr(engine.strategy, "evaluate", lambda *a: {"g0.25": 0.75, "g0.5": 0.25, "g1": 0.5, "recompute/g1": 0.125})
+    result = engine.run()
+    assert (result.worst, result.avg, result.min, result.worst_case) == (0.75, 0.5, 0.25, "g0.25")
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (record["worst"], record["avg"], record["min"]) == (0.75, 0.5, 0.25)
+    header, row = (line.split(",") for line in (tmp_path / "metrics.csv").read_text().splitlines())
+    assert [row[header.index(c)] for c in ("worst", "avg", "min")] == ["0.75", "0.5", "0.25"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["worst"], summary["min"], summary["worst_case"]) == (0.75, 0.25, "g0.25")
 
 
 def test_learned_step_sizes_reach_the_global_state(tmp_path):

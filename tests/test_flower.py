@@ -187,7 +187,7 @@ def test_cli_train_engine_flower_runs_simulate_and_gives_the_embedded_run_and_it
     flower = runner.invoke(app, [*[a for a in args if a != "--quiet"], "--engine", "flower", "--out", str(tmp_path / "flower")])
     assert flower.exit_code == 0, flower.output
     assert [c["threads"] for c in calls] == [1]
-    assert "worst / avg" in flower.output and f"run dir {tmp_path / 'flower'}" in flower.output.replace("\n", "")
+    assert "worst (g0.2) / avg / min" in flower.output and f"run dir {tmp_path / 'flower'}" in flower.output.replace("\n", "")
     assert same_tensors(tmp_path / "flower", tmp_path / "embedded")
     assert records(tmp_path / "flower") == records(tmp_path / "embedded")
     bad = runner.invoke(app, [*args, "--engine", "ray", "--out", str(tmp_path / "bad")])

@@ -4,6 +4,7 @@ and the metrics records), settings that survive the saved configuration, what th
 (``info``), the method in ``nefl-zoo methods``, and README tables that list every method.
 A new method file is covered here without an edit."""
 
+import math
 import re
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from typer.testing import CliRunner
 from nefl_zoo.fl.engine import Engine, resume_config
 from nefl_zoo.fl.registry import parse_settings, registered_methods
 from nefl_zoo.fl.strategy import MethodInfo
+from nefl_zoo.fl.strategy_utils import level_sizes
+from nefl_zoo.slim import compile_spec
 
 from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, crash_in_round, records, same_tensors
 
@@ -32,6 +35,16 @@ def test_two_rounds_then_a_resume_are_bit_identical(tmp_path, monkeypatch, metho
     assert set(info.levels) <= set(LEVELS) and info.eval_names
     assert result.acc and set(result.acc) <= set(info.eval_names) and all(0 <= a <= 1 for a in result.acc.values())
     assert all("/" in k for k in result.extra)
+    # the worst case is the smallest submodel's accuracy (the NeFL paper's "Worst"), not the minimum
+    if method == "fedlps":  # per-task accuracies: no submodel is the smallest
+        assert info.worst_case is None and result.worst == result.min
+    else:
+        sizes = level_sizes(compile_spec(info.spec))
+        assert info.worst_case == min(info.eval_names, key=sizes.__getitem__), (info.worst_case, sizes)
+        assert result.worst_case == info.worst_case
+        # NaN where no client of the smallest submodel evaluated (per-client evaluation, FedGH)
+        assert result.worst == result.acc[info.worst_case] if info.worst_case in result.acc else math.isnan(result.worst)
+    assert result.min == min(result.acc.values())
     assert all(engine.strategy.submodel_numel(name) > 0 for name in (*info.levels, *info.eval_names))
     straight = records(tmp_path / "straight")
     assert [r["round"] for r in straight] == [1, 2] and all(r["clients"] >= 1 and r["rejected"] == 0 for r in straight)

@@ -271,14 +271,17 @@ def test_a_compare_entry_runs_a_method_on_another_spec():
 def test_results_table_pairs_seeds_and_counts_nefl_wins():
     def run(worst, other):
         acc = {"g0.2": worst, "g1": other}
-        return RunResult(acc, worst, (worst + other) / 2, 0, 0, 1, {f"running/{t}": a for t, a in acc.items()})
+        return RunResult(acc, worst, (worst + other) / 2, min(acc.values()), "g0.2", 0, 0, 1, {f"running/{t}": a for t, a in acc.items()})
 
     runs = {"nefl": [run(0.60, 0.9), run(0.50, 0.9), run(0.70, 0.9)],
-            "heterofl": [run(0.55, 0.8), run(0.52, 0.8), run(0.61, 0.8)]}
+            "heterofl": [run(0.55, 0.8), run(0.52, 0.8), run(0.61, 0.46)]}
     table = results_table(config("nefl"), [Entry("nefl", "nefl"), Entry("heterofl", "heterofl")], runs)
+    # the worst case is the smallest submodel (g0.2), also where g1 is weaker (HeteroFL's seed 2):
     # NeFL - HeteroFL per seed: +5, -2, +9 points: mean 4.00, sample std sqrt(((1)^2 + (6)^2 + (5)^2) / 2) = 5.57; 2 wins of 3
     assert "| HeteroFL | 4.00 ± 5.57 (2/3) |" in table
-    assert "| resnet20 | NeFL | 60.00 ± 10.00 | 75.00 ± 5.00 |" in table
+    assert "| resnet20 | NeFL | 60.00 ± 10.00 | 75.00 ± 5.00 | 60.00 ± 10.00 |" in table
+    # the minimum over submodels is its own column: 55, 52, 46: mean 51.00, std sqrt((16 + 1 + 25) / 2) = 4.58
+    assert "| resnet20 | HeteroFL | 56.00 ± 4.58 | 62.33 ± 7.69 | 51.00 ± 4.58 |" in table
     assert "**recompute**" not in table
 
 
@@ -405,9 +408,14 @@ def test_compare_preset_nefl_table1_runs_every_row_with_its_macs_per_client_roun
     result = compare_methods(config, PRESETS["nefl-table1"](config), 1, tmp_path, plot=False)
     table = result.markdown.split("BN statistics at evaluation: **recompute**")[0]
     rows = {line.split(" | ")[1]: line.split(" | ")[-1].strip(" |") for line in table.splitlines() if line.startswith("| resnet20 |")}
-    assert list(rows) == ["NeFL-W", "NeFL-W (N/L)", "NeFL-D", "NeFL-D (N/L)", "NeFL-WD", "NeFL-WD (N/L)", "HeteroFL",
-                          "FjORD (NeFL's)", "DepthFL (NeFL's)", "FedAvg (full model)"]
-    assert "| Model | Method | Worst | Avg | MACs per client-round (M) |" in table
+    assert list(rows) == ["NeFL-W", "NeFL-W (N/L)", "NeFL-D", "NeFL-D (N/L)", "NeFL-D_O", "NeFL-D_O (N/L)", "NeFL-WD",
+                          "NeFL-WD (N/L)", "HeteroFL", "FjORD (NeFL's)", "DepthFL (NeFL's)", "FedAvg (full model)"]
+    assert "| Model | Method | Worst | Avg | Min | MACs per client-round (M) |" in table
+    # NeFL-D_O: NeFL-D's blocks, each kept block starting at 1 + the skipped blocks after it; N/L keeps them
+    preset = {e.key: entry_config(config, e, 0).submodel_spec() for e in PRESETS["nefl-table1"](config)}
+    assert preset["nefl-d_o"].tiers[0].steps == [[1, 1, 1], [1, 2, 0], [0, 0, 0]] and preset["nefl-d_o"].tiers[0].learnable_steps
+    assert preset["nefl-d_o-nl"].tiers[3].steps == [[1, 2, 0], [0, 0, 0], [1, 1, 1]] and not preset["nefl-d_o-nl"].tiers[3].learnable_steps
+    assert [[bool(s) for s in st] for st in preset["nefl-d_o"].tiers[2].steps] == [[bool(s) for s in st] for st in preset["nefl-d"].tiers[2].steps]
     record = records(tmp_path / "fedavg" / "seed0")[0]
     (cid,) = (int(c) for c in record["per_client"])
     data = load_data(config.data, config.data_root(), (1, 8, 8), 2, 0)

@@ -62,15 +62,22 @@ def parse_entry(text: str) -> Entry:
 
 
 def nefl_table1(config: RunConfig) -> list[Entry]:
-    """The rows of the NeFL paper's Table 1 and its ablation on the config's model: NeFL-W, -D and
-    -WD with learnable and fixed (N/L) step sizes on the shipped ``MODEL/nefl-{w,d,wd}`` specs,
-    HeteroFL and FjORD (the NeFL authors' variant) on the W spec, DepthFL (the NeFL paper's
-    variant) on the D spec, and FedAvg on the full model; the specs' tiers with the config's
-    ``model_args``. ``SpecError`` when the model has no such shipped specs."""
-    from ..spec import resolve_spec_path
+    """The rows of the NeFL paper's Table 1 and its ablation on the config's model: NeFL-W, -D,
+    -D_O (where the model ships ``MODEL/nefl-d_o``) and -WD with learnable and fixed (N/L) step
+    sizes on the shipped ``MODEL/nefl-{w,d,d_o,wd}`` specs, HeteroFL and FjORD (the NeFL authors'
+    variant) on the W spec, DepthFL (the NeFL paper's variant) on the D spec, and FedAvg on the
+    full model; the specs' tiers with the config's ``model_args``. ``SpecError`` when the model
+    has no shipped W, D and WD specs."""
+    from ..spec import SpecError, resolve_spec_path
 
     model = config.submodel_spec().model
-    specs = {kind: resolve_spec_path(f"{model}/nefl-{kind}").resolve() for kind in ("w", "d", "wd")}
+    specs = {}
+    for kind in ("w", "d", "d_o", "wd"):
+        try:
+            specs[kind] = resolve_spec_path(f"{model}/nefl-{kind}").resolve()
+        except SpecError:
+            if kind != "d_o":
+                raise
     rows = []
     for kind, path in specs.items():
         rows.append(Entry(f"nefl-{kind}", "nefl", path, config_model_args=True, name=f"NeFL-{kind.upper()}"))
@@ -136,6 +143,13 @@ def accuracies(result: RunResult, treatment: str) -> dict[str, float]:
     return {t: result.extra.get(f"{treatment}/{t}", a) for t, a in result.acc.items()}
 
 
+def worst_case(result: RunResult, acc: dict[str, float]) -> float:
+    """The worst case of ``acc`` (one run's accuracies, e.g. under one BN treatment): the
+    smallest submodel's accuracy, as in the NeFL paper (``result.worst_case``); the minimum for a
+    method whose names are not submodels (FedLPS's tasks)."""
+    return min(acc.values()) if result.worst_case is None else acc.get(result.worst_case, float("nan"))
+
+
 def _mean_std(values) -> str:
     a = 100 * np.asarray(values, dtype=float)
     return f"{a.mean():.2f} ± {a.std(ddof=1) if len(a) > 1 else 0.0:.2f}"
@@ -150,7 +164,8 @@ def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[
     seeds = len(next(iter(runs.values())))
     model = config.submodel_spec().model
     lines = [
-        f"Top-1 accuracy (%) of the worst-case submodel and the average over submodels, mean ± std over "
+        f"Top-1 accuracy (%) of the worst-case submodel (the smallest, as in the NeFL paper), the average and the "
+        f"minimum over submodels, mean ± std over "
         f"{seeds} seed(s); {config.data.dataset}, {config.data.partition}"
         + (f" (alpha {config.data.alpha})" if config.data.partition == "dirichlet" else "")
         + f", {config.rounds} rounds, {config.clients.num_clients} clients x {config.clients.fraction}.",
@@ -159,15 +174,16 @@ def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[
     baselines = [e for e in entries if e.method != "nefl"]
     for treatment in treatments(runs):
         stats = {e.key: [accuracies(r, treatment) for r in runs[e.key]] for e in entries}
-        worst = {k: [min(a.values()) for a in v] for k, v in stats.items()}
+        worst = {k: [worst_case(r, a) for r, a in zip(runs[k], v)] for k, v in stats.items()}
         avg = {k: [float(np.mean(list(a.values()))) for a in v] for k, v in stats.items()}
-        head, rule = "| Model | Method | Worst | Avg |", "|---|---|---|---|"
+        least = {k: [min(a.values()) for a in v] for k, v in stats.items()}
+        head, rule = "| Model | Method | Worst | Avg | Min |", "|---|---|---|---|---|"
         if macs is not None:
             head, rule = head + " MACs per client-round (M) |", rule + "---|"
         lines += ["", f"BN statistics at evaluation: **{treatment}**", "", head, rule]
         for e in entries:
             cell = "" if macs is None else (" – |" if macs.get(e.key) is None else f" {macs[e.key] / 1e6:.1f} |")
-            lines.append(f"| {model} | {e.label} | {_mean_std(worst[e.key])} | {_mean_std(avg[e.key])} |{cell}")
+            lines.append(f"| {model} | {e.label} | {_mean_std(worst[e.key])} | {_mean_std(avg[e.key])} | {_mean_std(least[e.key])} |{cell}")
         names = list(dict.fromkeys(t for e in entries for t in stats[e.key][0]))
         lines += ["", "| Method | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for e in entries:
@@ -189,15 +205,16 @@ def results_table(config: RunConfig, entries: list[Entry], runs: dict[str, list[
     return "\n".join(lines) + "\n"
 
 
-def curves(out: Path, entries: list[Entry], seeds: list[int], treatment: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per entry, the evaluated rounds and the worst-case accuracy (%) per seed and round."""
+def curves(out: Path, entries: list[Entry], runs: dict[str, list[RunResult]], seeds: list[int],
+           treatment: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per entry, the evaluated rounds and the worst-case accuracy (%, :func:`worst_case`) per seed and round."""
     out_curves = {}
     for e in entries:
         per_seed = []
-        for seed in seeds:
+        for seed, result in zip(seeds, runs[e.key]):
             records = [json.loads(line) for line in (out / e.key / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
             evals = [r for r in records if "acc" in r]
-            per_seed.append([(r["round"], 100 * min(r.get("extra", {}).get(f"{treatment}/{t}", a) for t, a in r["acc"].items()))
+            per_seed.append([(r["round"], 100 * worst_case(result, {t: r.get("extra", {}).get(f"{treatment}/{t}", a) for t, a in r["acc"].items()}))
                              for r in evals])
         rounds = np.array([r for r, _ in per_seed[0]])
         out_curves[e.key] = (rounds, np.array([[a for _, a in s] for s in per_seed]))
@@ -277,7 +294,7 @@ def plot_comparison(config: RunConfig, entries: list[Entry], runs: dict[str, lis
     treatment = treatments(runs)[0]
     seeds = [config.seed + s for s in range(len(next(iter(runs.values()))))]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for e, (rounds, acc) in zip(entries, curves(out, entries, seeds, treatment).values()):
+    for e, (rounds, acc) in zip(entries, curves(out, entries, runs, seeds, treatment).values()):
         macs = _macs(entry_config(config, e, config.seed))
         tiers = sorted((t for t in runs[e.key][0].acc if t in macs), key=macs.__getitem__)
         if tiers:

@@ -45,12 +45,16 @@ def _nbytes(state) -> int:
 
 @dataclass
 class RunResult:
-    """The end of a run: final accuracies per submodel, worst, average, bytes moved, and the
-    further metrics of the last evaluation (``TREATMENT/NAME``, see :meth:`Strategy.evaluate`)."""
+    """The end of a run: final accuracies per submodel; the worst case (the accuracy of the
+    smallest submodel, ``worst_case``, as in the NeFL paper; the minimum where the method names no
+    such submodel, ``worst_case`` None), the average and the minimum over submodels; bytes moved;
+    the further metrics of the last evaluation (``TREATMENT/NAME``, see :meth:`Strategy.evaluate`)."""
 
     acc: dict[str, float]
     worst: float
     avg: float
+    min: float
+    worst_case: str | None
     bytes_down: int
     bytes_up: int
     rounds: int
@@ -92,7 +96,7 @@ class Engine:
                 f"{info.num_classes} (set spec model_args.num_classes)"
             )
         columns = ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s",
-                   "worst", "avg", *(f"acc_{t}" for t in info.eval_names)]
+                   "worst", "avg", "min", *(f"acc_{t}" for t in info.eval_names)]
         self.store = RunStore(out_dir, columns)
         self.state: dict[str, torch.Tensor] = {}
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
@@ -219,16 +223,16 @@ class Engine:
                 acc = self.evaluate()
                 submodels = {k: v for k, v in acc.items() if "/" not in k}
                 extra = {k: v for k, v in acc.items() if "/" in k}
-                self.last_eval = {"acc": submodels, "worst": min(submodels.values()), "avg": float(np.mean(list(submodels.values()))),
-                                  **({"extra": extra} if extra else {})}
+                self.last_eval = {"acc": submodels, **self.strategy.info.summary(submodels), **({"extra": extra} if extra else {})}
                 record.update(self.last_eval)
             self.store.log(record)
             if self.round % cfg.checkpoint_every == 0 or self.round == cfg.rounds:
                 self.save_checkpoint()
             if observer:
                 observer.round(record, self.last_eval)
-        result = RunResult(self.last_eval["acc"], self.last_eval["worst"], self.last_eval["avg"],
-                           self.totals["bytes_down"], self.totals["bytes_up"], self.round, self.last_eval.get("extra", {}))
+        last = self.last_eval
+        result = RunResult(last["acc"], last["worst"], last["avg"], last["min"], self.strategy.info.worst_case,
+                           self.totals["bytes_down"], self.totals["bytes_up"], self.round, last.get("extra", {}))
         self.store.write_summary(asdict(result))
         if observer:
             observer.end(self, result)

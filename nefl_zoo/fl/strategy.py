@@ -22,6 +22,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Mapping, Union
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -104,8 +105,11 @@ class MethodInfo:
         num_classes: classes the models predict (checked against the dataset's).
         levels: the resource levels clients train at (the order of a round record's ``tiers``).
         eval_names: the accuracies :meth:`Strategy.evaluate` reports by plain name (the CSV
-            columns ``acc_NAME``; worst and average are over them).
+            columns ``acc_NAME``; the average and the minimum are over them).
         numel: elements a client receives for each name of ``levels`` and ``eval_names``.
+        worst_case: the name of ``eval_names`` that is the worst-case submodel, the smallest (the
+            NeFL paper's "Worst"); ``None`` where the names are not submodels of one model (FedLPS's
+            tasks): then the worst case is the minimum.
     """
 
     spec: SubmodelSpec
@@ -114,6 +118,18 @@ class MethodInfo:
     levels: tuple[str, ...]
     eval_names: tuple[str, ...]
     numel: Mapping[str, int] = field(default_factory=dict)
+    worst_case: str | None = field(kw_only=True)
+
+    def __post_init__(self):
+        if self.worst_case is not None and self.worst_case not in self.eval_names:
+            raise ValueError(f"worst_case {self.worst_case!r} is not one of eval_names {list(self.eval_names)}")
+
+    def summary(self, acc: Mapping[str, float]) -> dict[str, float]:
+        """``worst`` (the worst-case submodel's accuracy, NaN when it was not evaluated), ``avg``
+        and ``min`` of the accuracies ``acc`` by plain name."""
+        values = list(acc.values())
+        worst = min(values) if self.worst_case is None else acc.get(self.worst_case, float("nan"))
+        return {"worst": worst, "avg": float(np.mean(values)), "min": min(values)}
 
 
 class MethodSettings(BaseModel):

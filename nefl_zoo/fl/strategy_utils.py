@@ -231,7 +231,9 @@ class Nested(Strategy):
         self._init = init
         tiers = tuple(self.compiled.tiers)
         numel = {t: sum(e.numel for e in self.entries(t).values()) for t in tiers}
-        self.info = MethodInfo(self.compiled.spec, self.compiled.input_size, self.compiled.num_classes, tiers, tiers, numel)
+        sizes = level_sizes(self.compiled)
+        self.info = MethodInfo(self.compiled.spec, self.compiled.input_size, self.compiled.num_classes, tiers, tiers, numel,
+                               worst_case=min(tiers, key=sizes.__getitem__))
 
     # -- the default parts ------------------------------------------------------------------
     def _tier_entries(self, tier: str) -> Mapping[str, SliceEntry]:

@@ -41,7 +41,8 @@ class FedGHSettings(MethodSettings):
     """``method_args`` of ``fedgh``."""
 
     rep_dim: int = Field(500, ge=1, description="d_R: width of every extractor's representation (the paper's 500)")
-    server_lr: float | None = Field(None, gt=0, description="learning rate of the global header (default: the round's local lr)")
+    server_lr: float | None = Field(0.01, gt=0, description="learning rate of the global header: fixed, the paper's 0.01 by "
+                                    "default; null: the round's local learning rate (its schedule)")
     server_batch: Literal["lar", "client"] = Field("lar", description="lar: one SGD step per LAR in client order; client: one mini-batch per client")
 
 
@@ -91,7 +92,8 @@ class FedGH(Strategy):
         self.num_classes = self.compiled.num_classes
         tiers = tuple(self.compiled.tiers)
         header = (self.settings.rep_dim + 1) * self.num_classes
-        self.info = MethodInfo(run.spec, self.compiled.input_size, self.num_classes, tiers, tiers, dict.fromkeys(tiers, header))
+        self.info = MethodInfo(run.spec, self.compiled.input_size, self.num_classes, tiers, tiers, dict.fromkeys(tiers, header),
+                               worst_case=min(tiers, key=self.level_size.__getitem__))
 
     # -- models ---------------------------------------------------------------------------
     def extractor_tier(self, client: ClientInfo) -> str:
@@ -141,7 +143,7 @@ class FedGH(Strategy):
     def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
         device = placement().device  # the header trains where the clients do; the state stays on the CPU
         header = self.header(global_state).to(device)
-        lr = self.settings.server_lr or learning_rate(self.run.train, server_round - 1, self.run.rounds)
+        lr = self.settings.server_lr if self.settings.server_lr is not None else learning_rate(self.run.train, server_round - 1, self.run.rounds)
         optimizer = torch.optim.SGD(header.parameters(), lr=lr)
         accepted, rejected = 0, []
         for cid, reply in replies.items():

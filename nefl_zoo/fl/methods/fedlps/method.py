@@ -103,7 +103,7 @@ class FedLPS(Strategy):
         levels = tuple(self.level_size)
         numel = {**{t: sum(e.numel for e in self.predictor(t)[1].values()) for t in self.tasks},
                  **{lv: sum(e.numel for task in self.tasks for e in self.predictor(task, self.level_masks(lv))[1].values()) for lv in levels}}
-        self.info = MethodInfo(spec, compiled.input_size, compiled.num_classes, levels, tuple(self.tasks), numel)
+        self.info = MethodInfo(spec, compiled.input_size, compiled.num_classes, levels, tuple(self.tasks), numel, worst_case=None)  # tasks, not submodels
 
     # -- models -------------------------------------------------------------------------
     def predictor(self, task: str, masks: Masks | None = None):
