@@ -1,0 +1,48 @@
+"""Batched clients against sequential ones and against a second thread, on the shipped config
+("Batched clients and summation order" in benchmarks/README.md): one round of
+specs/train/digits-quick.yaml at lr 0.05 from the same seeded initial state; per tensor, the
+difference as a share of the round's own update, median and worst.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_batched_order.py
+"""
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nefl_zoo.fl.config import load_config
+from nefl_zoo.fl.engine import Engine
+
+QUICK = str(Path(__file__).resolve().parent.parent / "specs/train/digits-quick.yaml")
+
+
+def one_round(threads: int, parallel: int, method: str, out: Path):
+    """The initial and the round-1 global state at ``threads`` torch threads and ``parallel_clients``."""
+    torch.set_num_threads(threads)
+    overrides = ["rounds=1", "train.local_epochs=1", "train.lr=0.05", f"method={method}", f"train.parallel_clients={parallel}"]
+    engine = Engine(load_config(QUICK, overrides), out)
+    torch.manual_seed(engine.config.seed)
+    init = engine.state = engine.strategy.init_global_state()
+    engine.run_round(0)
+    return init, engine.state
+
+
+def main() -> None:
+    out = Path(tempfile.mkdtemp())
+    for method in ("fedavg", "nefl"):
+        init, base = one_round(1, 1, method, out)
+        for label, (threads, parallel) in {"sequential, 2 threads": (2, 1), "batched (parallel_clients 2), 1 thread": (1, 2)}.items():
+            _, other = one_round(threads, parallel, method, out)
+            shares = []
+            for k, b in base.items():
+                update = float((b - init[k]).abs().max()) if b.is_floating_point() else 0.0
+                if update > 0:
+                    shares.append(float((other[k] - b).abs().max()) / update)
+            print(f"{method}: {label} vs sequential 1 thread: median {100 * np.median(shares):.1f}%, worst "
+                  f"{100 * max(shares):.1f}% of the round's update per tensor ({len(shares)} tensors)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
