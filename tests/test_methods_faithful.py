@@ -409,13 +409,17 @@ def test_compare_preset_nefl_table1_runs_every_row_with_its_macs_per_client_roun
     table = result.markdown.split("BN statistics at evaluation: **recompute**")[0]
     rows = {line.split(" | ")[1]: line.split(" | ")[-1].strip(" |") for line in table.splitlines() if line.startswith("| resnet20 |")}
     assert list(rows) == ["NeFL-W", "NeFL-W (N/L)", "NeFL-D", "NeFL-D (N/L)", "NeFL-D_O", "NeFL-D_O (N/L)", "NeFL-WD",
-                          "NeFL-WD (N/L)", "HeteroFL", "FjORD (NeFL's)", "DepthFL (NeFL's)", "FedAvg (full model)"]
+                          "NeFL-WD (N/L)", "HeteroFL", "FjORD (NeFL's)", "DepthFL (NeFL's)", "DepthFL (NeFL's, nested)",
+                          "FedAvg (full model)"]
     assert "| Model | Method | Worst | Avg | Min | MACs per client-round (M) |" in table
     # NeFL-D_O: NeFL-D's blocks, each kept block starting at 1 + the skipped blocks after it; N/L keeps them
     preset = {e.key: entry_config(config, e, 0).submodel_spec() for e in PRESETS["nefl-table1"](config)}
     assert preset["nefl-d_o"].tiers[0].steps == [[1, 1, 1], [1, 2, 0], [0, 0, 0]] and preset["nefl-d_o"].tiers[0].learnable_steps
     assert preset["nefl-d_o-nl"].tiers[3].steps == [[1, 2, 0], [0, 0, 0], [1, 1, 1]] and not preset["nefl-d_o-nl"].tiers[3].learnable_steps
     assert [[bool(s) for s in st] for st in preset["nefl-d_o"].tiers[2].steps] == [[bool(s) for s in st] for st in preset["nefl-d"].tiers[2].steps]
+    nested = entry_config(config, next(e for e in PRESETS["nefl-table1"](config) if e.key == "depthfl-nested"), 0)
+    assert nested.method_args == {"variant": "nefl", "nested": True} and nested.build_strategy().prefix_blocks == {
+        "g0.2": 5, "g0.4": 7, "g0.6": 8, "g0.8": 8, "g1": 9}
     record = records(tmp_path / "fedavg" / "seed0")[0]
     (cid,) = (int(c) for c in record["per_client"])
     data = load_data(config.data, config.data_root(), (1, 8, 8), 2, 0)

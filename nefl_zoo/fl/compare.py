@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable
@@ -25,8 +25,8 @@ from .registry import get_method
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of a comparison: a method (optionally one of its variants, ``variant``), optionally on its
-    own spec file; ``fixed_steps`` freezes every tier's step sizes (the NeFL paper's N/L);
+    """One row of a comparison: a method (optionally one of its variants, ``variant``, and further
+    ``method_args``), optionally on its own spec file; ``fixed_steps`` freezes every tier's step sizes (the NeFL paper's N/L);
     ``config_model_args`` keeps the config's ``model_args`` (input size, channels) with the spec's
     tiers; ``name`` replaces the table label."""
 
@@ -37,6 +37,7 @@ class Entry:
     fixed_steps: bool = False
     config_model_args: bool = False
     name: str | None = None
+    method_args: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -65,19 +66,21 @@ def nefl_table1(config: RunConfig) -> list[Entry]:
     """The rows of the NeFL paper's Table 1 and its ablation on the config's model: NeFL-W, -D,
     -D_O (where the model ships ``MODEL/nefl-d_o``) and -WD with learnable and fixed (N/L) step
     sizes on the shipped ``MODEL/nefl-{w,d,d_o,wd}`` specs, HeteroFL and FjORD (the NeFL authors'
-    variant) on the W spec, DepthFL (the NeFL paper's variant) on the D spec, and FedAvg on the
-    full model; the specs' tiers with the config's ``model_args``. ``SpecError`` when the model
-    has no shipped W, D and WD specs."""
+    variant) on the W spec, DepthFL (the NeFL paper's variant) on the D spec and, where the model
+    ships ``MODEL/depthfl-nested``, on its nested prefixes (the paper appendix's reading, ``nested``),
+    and FedAvg on the full model; the specs' tiers with the config's ``model_args``.
+    ``SpecError`` when the model has no shipped W, D and WD specs."""
     from ..spec import SpecError, resolve_spec_path
 
     model = config.submodel_spec().model
     specs = {}
-    for kind in ("w", "d", "d_o", "wd"):
+    for kind, name in (("w", "nefl-w"), ("d", "nefl-d"), ("d_o", "nefl-d_o"), ("wd", "nefl-wd"), ("nested", "depthfl-nested")):
         try:
-            specs[kind] = resolve_spec_path(f"{model}/nefl-{kind}").resolve()
+            specs[kind] = resolve_spec_path(f"{model}/{name}").resolve()
         except SpecError:
-            if kind != "d_o":
+            if kind not in ("d_o", "nested"):
                 raise
+    nested = specs.pop("nested", None)
     rows = []
     for kind, path in specs.items():
         rows.append(Entry(f"nefl-{kind}", "nefl", path, config_model_args=True, name=f"NeFL-{kind.upper()}"))
@@ -85,6 +88,8 @@ def nefl_table1(config: RunConfig) -> list[Entry]:
     rows += [Entry("heterofl", "heterofl", specs["w"], config_model_args=True, name="HeteroFL"),
              Entry("fjord-nefl", "fjord", specs["w"], "nefl", config_model_args=True, name="FjORD (NeFL's)"),
              Entry("depthfl-nefl", "depthfl", specs["d"], "nefl", config_model_args=True, name="DepthFL (NeFL's)"),
+             *([Entry("depthfl-nested", "depthfl", nested, "nefl", config_model_args=True, name="DepthFL (NeFL's, nested)",
+                      method_args={"nested": True})] if nested else []),
              Entry("fedavg", "fedavg", specs["w"], config_model_args=True, name="FedAvg (full model)")]
     return rows
 
@@ -98,11 +103,11 @@ def entry_config(config: RunConfig, entry: Entry, seed: int) -> RunConfig:
     from ..spec import load_spec
 
     cfg = config.with_method(entry.method, seed)
-    if entry.spec is None and entry.variant is None and not entry.fixed_steps:
+    if entry.spec is None and entry.variant is None and not entry.fixed_steps and not entry.method_args:
         return cfg
     data = cfg.to_dict()
-    if entry.variant is not None:
-        data["method_args"] = {"variant": entry.variant}
+    if entry.variant is not None or entry.method_args:
+        data["method_args"] = ({"variant": entry.variant} if entry.variant is not None else {}) | entry.method_args
     spec = load_spec(entry.spec).model_dump(mode="json", exclude_none=True) if entry.spec is not None else data["spec"]
     if entry.config_model_args:
         spec["model_args"] = dict(config.submodel_spec().model_args)

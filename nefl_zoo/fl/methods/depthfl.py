@@ -11,7 +11,9 @@ and every tensor are shared (averaged over the clients holding them, 1 each).
 
 ``nefl`` (the NeFL paper's baseline, its footnote on depthwise scaling and the authors' code):
 the blocks each tier of a NeFL-D spec keeps (non-contiguous), step sizes fixed at 1, one shared
-classifier and BN, plain cross-entropy, no exits and no distillation.
+classifier and BN, plain cross-entropy, no exits and no distillation. ``nested``: the appendix's
+reading (contiguous skipping blocks, each submodel a subset of the larger): every tier keeps the
+first k blocks in stage order (``resnet20/depthfl-nested``); ``bn: per_tier``: its BN decoupling.
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ def prefix_steps(depths: list[int], blocks: int) -> list[list[float]]:
     for n in depths:
         out.append([1.0 if start + j < blocks else 0.0 for j in range(n)])
         start += n
+    return out
+
+
+def nested_prefixes(spec: SubmodelSpec) -> dict[str, int]:
+    """Per tier of ``spec``, the k of its depth prefix (the first k blocks in stage order), each
+    holding the previous tier's; one-line ``ValueError`` naming the first tier that is not."""
+    depths = list(stage_depths(spec.model, tuple(sorted(spec.model_args.items()))))
+    total, out, previous = sum(depths), {}, None
+    for t in spec.tiers:
+        kept = [bool(v) for stage in t.steps for v in stage] if t.steps is not None else [True] * total
+        blocks = sum(kept)
+        if kept != [True] * blocks + [False] * (total - blocks):
+            per_stage = [sum(1 for v in stage if v) for stage in t.steps]
+            steps = [[int(v) for v in stage] for stage in prefix_steps(depths, blocks)]
+            raise ValueError(f"depthfl nested: tier {t.name} keeps blocks per stage {per_stage}, not a contiguous depth "
+                             f"prefix of {spec.model} (its first {blocks} of {total} blocks in stage order would be steps "
+                             f"{steps}); use a spec whose tiers keep the first k blocks, e.g. resnet20/depthfl-nested, "
+                             "or drop method_args.nested")
+        if previous is not None and blocks < out[previous]:
+            raise ValueError(f"depthfl nested: tier {t.name} keeps the first {blocks} blocks, fewer than tier {previous} before "
+                             f"it ({out[previous]}), so it is not a superset of it; list the tiers smallest first")
+        out[t.name], previous = blocks, t.name
     return out
 
 
@@ -179,12 +203,19 @@ class DepthFLSettings(MethodSettings):
     feddyn: bool | None = Field(None, description="FedDyn's regulariser and server update (none: on for variant "
                                 "original, DepthFL's default; off for nefl)")
     feddyn_alpha: float = Field(0.1, gt=0, description="FedDyn's alpha (the authors' 0.1)")
+    nested: bool = Field(False, description="variant nefl, the NeFL appendix's reading: every tier keeps the first k "
+                         "blocks in stage order, each within the next (e.g. resnet20/depthfl-nested); other specs refused")
+    bn: Literal["shared", "per_tier"] = Field("shared", description="variant nefl: BN shared (the NeFL authors' code) or "
+                                              "per_tier (the appendix's BN decoupling, averaged per submodel)")
 
     @model_validator(mode="after")
     def _variant(self) -> "DepthFLSettings":
         for name in ("kd", "feddyn"):
             if self.variant == "nefl" and getattr(self, name):
                 raise ValueError(f"{name}: variant nefl (the NeFL paper's DepthFL) has neither exits nor FedDyn")
+        for name, off in (("nested", False), ("bn", "shared")):
+            if self.variant == "original" and getattr(self, name) != off:
+                raise ValueError(f"{name}: variant original builds its own nested prefixes with shared BN; {name} is for variant nefl")
         return self
 
     @property
@@ -198,10 +229,10 @@ class DepthFLSettings(MethodSettings):
         return self.feddyn if self.feddyn is not None else self.variant == "original"
 
 
-def nefl_depth_spec(spec: SubmodelSpec) -> SubmodelSpec:
+def nefl_depth_spec(spec: SubmodelSpec, per_tier_bn: bool = False) -> SubmodelSpec:
     """The NeFL paper's DepthFL on ``spec``'s tiers: the blocks each tier keeps (non-contiguous, as a
     NeFL-D spec skips them) with step sizes fixed at 1, and nothing per tier (one shared classifier
-    and BN, as the NeFL authors' code). One-line ``ValueError`` for a tier that narrows widths."""
+    and BN, as the NeFL authors' code; ``per_tier_bn``: BN per tier). One-line ``ValueError`` for a tier that narrows widths."""
     for t in spec.tiers:
         if t.gamma_w != 1:
             raise ValueError(f"depthfl variant nefl takes the blocks of a depth-only (NeFL-D) spec; tier {t.name} has "
@@ -209,7 +240,7 @@ def nefl_depth_spec(spec: SubmodelSpec) -> SubmodelSpec:
     tiers = [t.model_copy(update={"learnable_steps": False,
                                   "steps": None if t.steps is None else [[1.0 if v else 0.0 for v in stage] for stage in t.steps]})
              for t in spec.tiers]
-    return spec.model_copy(update={"tiers": tiers, "inconsistent": []})
+    return spec.model_copy(update={"tiers": tiers, "inconsistent": ["norm"] if per_tier_bn else []})
 
 
 class Prefixes:
@@ -313,14 +344,17 @@ class DepthFL(Nested):
     client picks its submodel like NeFL's and trains the exits of every submodel up to it with
     cross-entropy plus ramped-up mutual distillation and FedDyn. Evaluated: every submodel at its
     own exit, and ``ensemble`` (the full submodel's exits' mean softmax). Variant ``nefl``: the
-    NeFL paper's DepthFL on a NeFL-D spec (one classifier, cross-entropy, shared BN)."""
+    NeFL paper's DepthFL on a NeFL-D spec (one classifier, cross-entropy, shared BN); with
+    ``nested``, the appendix's reading on a spec of contiguous nested prefixes (checked)."""
 
     def __init__(self, run: Run, settings: DepthFLSettings | None = None):
         settings = settings if settings is not None else DepthFLSettings()
         self.h: State = {}
         self.num_clients = 0
         if settings.variant == "nefl":
-            super().__init__(run, settings, compiled=compile_spec(nefl_depth_spec(run.spec)), send_steps=False)
+            spec = nefl_depth_spec(run.spec, per_tier_bn=settings.bn == "per_tier")
+            self.prefix_blocks = nested_prefixes(spec) if settings.nested else None  # per tier: its prefix's blocks
+            super().__init__(run, settings, compiled=compile_spec(spec), send_steps=False)
             return
         #: the prefixes, their exits and what each holds
         self.prefixes = prefixes = Prefixes(run.spec)
