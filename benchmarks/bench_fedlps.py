@@ -3,7 +3,7 @@
 For every seed: a short centralised pre-training of the backbone on the held-out public split
 that no client holds (``data.public_fraction``, ``pretrain_backbone``), then
 ``specs/train/digits-fedlps.yaml`` (two tasks: digits 0-4 and 5-9, each its own images) with that
-backbone and with the seed's random initialisation (no ``pretrained``). Prints markdown:
+backbone and with the seed's random initialisation (``pretrained: none``). Prints markdown:
 accuracy per task on its own test images (mean ± std over seeds), and per resource level the
 pruning ratio, trained predictor parameters (and their share of the unpruned predictors), bytes
 a client sends up per round, and the forward MACs of one image through the encoder and the
@@ -56,7 +56,7 @@ def main() -> None:
         start = time.perf_counter()
         accuracy = pretrain_backbone(config, args.pretrain_epochs, weights)
         pretrain.append((accuracy, time.perf_counter() - start))
-        for kind, extra in (("random", []), ("pretrained", [f"method_args.pretrained={weights}"])):
+        for kind, extra in (("random", ["method_args.pretrained=none"]), ("pretrained", [f"method_args.pretrained={weights}"])):
             cfg = load_config(CONFIG, [*args.overrides, f"seed={seed}", *extra])
             start = time.perf_counter()
             engine = Engine(cfg, args.out / kind / f"seed{seed}")

@@ -189,7 +189,7 @@ def test_every_method_trains_one_round_on_an_edge_family(tmp_path, method, name)
     config = tiny(method=method, spec=spec, rounds=1, eval__every=1, eval__bn="recompute", eval__bn_batches=1,
                   clients__num_clients=40, clients__fraction=0.05, train__local_epochs=1, train__batch_size=64,
                   data__max_test_samples=32, data__local_split=[0.8, 0.1, 0.1],
-                  method_args={"levels": [0.0, 0.5]} if method == "fedlps" else {})  # two clients, one batch each
+                  method_args={"levels": [0.0, 0.5], "pretrained": "none"} if method == "fedlps" else {})  # two clients, one batch each
     result = train(config, tmp_path / method)
     losses = _train_losses(tmp_path / method)
     assert len(losses) == 1 and math.isfinite(losses[0]) and 0 < losses[0] < 10, losses

@@ -2,7 +2,9 @@
 equal to the dense predictor with the pruned channels zeroed), the server's backbone fill-in and
 per-task weighted averaging, reply checks, tasks that never share images, and a few rounds on
 digits from a backbone pre-trained on a held-out split no client holds (its bit-identical
-resume: tests/test_method_contract.py). Tasks from folders: tests/test_fedlps_data.py."""
+resume: tests/test_method_contract.py). The default backbone (pre-trained when the run starts),
+its resume and the masks chosen after the first local training: tests/test_fedlps_pretrain.py.
+Tasks from folders: tests/test_fedlps_data.py."""
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from nefl_zoo.fl.config import ConfigError
 from nefl_zoo.fl.data import load_data
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_backbone, weighted_average
+from nefl_zoo.fl.methods.fedlps.method import BACKBONE_SHA256
 from nefl_zoo.fl.methods.fedlps.pretrain import public_data
 from nefl_zoo.fl.strategy import Reply
 from nefl_zoo.slim import SliceMap
@@ -20,7 +23,9 @@ from nefl_zoo.slim import SliceMap
 from .conftest import TINY_VIT, tiny
 
 torch.set_num_threads(1)
-LEVELS = {"levels": [0.0, 0.4, 0.8]}  # tiny()'s tiers g1, g0.5, g0.25 (largest first)
+# tiny()'s tiers g1, g0.5, g0.25 (largest first); a random encoder: these tests are not about its
+# weights (the default, pre-trained on the held-out split: tests/test_fedlps_pretrain.py)
+LEVELS = {"levels": [0.0, 0.4, 0.8], "pretrained": "none"}
 A, B = "digits0-4", "digits5-9"  # the default tasks: disjoint digit groups
 
 
@@ -144,7 +149,7 @@ def _reply(strategy, state, masks, level, samples, value=None):
         _, entries = strategy.predictor(task, masks)
         for k, v in SliceMap(entries).extract(state).items():
             arrays[entries[k].global_key] = v if value is None or not v.is_floating_point() else torch.full_like(v, value)
-    metrics = {f"num_samples.{t}": n for t, n in samples.items()}
+    metrics = {f"num_samples.{t}": n for t, n in samples.items()} | {BACKBONE_SHA256: strategy.backbone_sha256}
     return Reply(arrays, metrics, num_samples=sum(samples.values()), level=level)
 
 

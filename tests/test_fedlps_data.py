@@ -1,6 +1,7 @@
 """FedLPS's tasks from folders (``data.dataset: tasks``): MNIST, FashionMNIST, SVHN and CIFAR-10
 read with torchvision's loaders from tiny files this test writes in their on-disk formats, as
-one dataset whose tasks never share images, and one FedLPS round on them."""
+one dataset whose tasks never share images, and one FedLPS round on them from a backbone the run
+pre-trains on a held-out split of them (the default ``pretrained: public``, read from the folders)."""
 
 import pickle
 import struct
@@ -75,7 +76,7 @@ def config(root, **overrides):
     spec = {"model": "resnet20", "model_args": {"in_chans": 3, "img_size": 8, "num_classes": 40},
             "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}
     args = dict(method="fedlps", spec=spec, data={"dataset": "tasks", "root": str(root), "augment": False},
-                method_args={"levels": [0.0, 0.8], "tasks": TASKS}, clients__num_clients=2, clients__environment="fixed",
+                method_args={"levels": [0.0, 0.8], "tasks": TASKS, "pretrained": "none"}, clients__num_clients=2, clients__environment="fixed",
                 train__local_epochs=1, train__batch_size=8, rounds=1, eval__every=1, eval__bn="recompute", eval__bn_batches=4)
     return tiny(**(args | overrides))
 
@@ -105,8 +106,13 @@ def test_four_datasets_load_as_one_with_their_own_labels_and_statistics(sources)
 
 
 def test_fedlps_trains_the_four_datasets_as_tasks(sources, tmp_path):
-    result = Engine(config(sources), tmp_path / "run").run()
+    data = {"dataset": "tasks", "root": str(sources), "augment": False, "public_fraction": 0.5}  # one image of each label
+    engine = Engine(config(sources, data=data, method_args={"levels": [0.0, 0.8], "tasks": TASKS, "pretrain_epochs": 1}),
+                    tmp_path / "run")
+    random = {k: v.clone() for k, v in engine.strategy.backbone.state_dict().items()}
+    result = engine.run()
     assert set(result.acc) == {"mnist", "fashionmnist", "svhn", "cifar10"} and all(0 <= a <= 1 for a in result.acc.values())
+    assert not all(torch.equal(v, random[k]) for k, v in engine.strategy.backbone.state_dict().items())  # pre-trained
 
 
 def test_a_missing_dataset_names_its_folder_and_files(tmp_path):

@@ -88,7 +88,8 @@ class RunConfig(Strict):
 
     def build_strategy(self) -> Strategy:
         """The method's strategy object, set up from this config."""
-        run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval)
+        run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval,
+                  self.data.model_copy(update={"root": str(self.data_root())}))
         return get_method(self.method)(run, parse_settings(self.method, self.method_args))
 
     def placement(self) -> "Placement":

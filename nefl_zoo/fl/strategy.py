@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
-from .settings import EvalConfig, TrainConfig
+from .settings import DataConfig, EvalConfig, TrainConfig
 
 if TYPE_CHECKING:
     from .local import LocalModel
@@ -85,7 +85,9 @@ class Aggregate:
 class Run:
     """What every method gets from the run configuration: the spec (its tiers are the
     environment's resource levels), local training, the seed, the total rounds (learning-rate
-    schedule), the share of clients sampled per round and the evaluation settings."""
+    schedule), the share of clients sampled per round, the evaluation settings and the data
+    section, its ``root`` resolved (FedLPS pre-trains its backbone on its held-out
+    ``public_fraction``)."""
 
     spec: SubmodelSpec
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -93,6 +95,7 @@ class Run:
     rounds: int = 1
     fraction: float = 1.0
     eval: EvalConfig = field(default_factory=EvalConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ def load_backbone(spec: SubmodelSpec, seed: int, pretrained: str | Path | None, 
                   model_args: Mapping | None = None) -> NestedNet:
     """The backbone: ``model`` (default: the run spec's model) with the spec's model arguments
     updated by ``model_args``, ``pretrained`` weights or the random initialisation of ``seed``
-    (what the engine's ``torch.manual_seed(seed)`` gives NeFL); frozen, eval mode."""
+    (what the engine's ``torch.manual_seed(seed)`` gives NeFL; where FedLPS's default
+    ``pretrained: public`` starts pre-training from, :mod:`.pretrain`); frozen, eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = create_model(model or spec.model, **{**spec.model_args, **(model_args or {})})
