@@ -1,6 +1,6 @@
-"""Flower benchmarks (issue: nested FL on Flower): wall time per round of the digits run on the
-embedded engine, on Flower's simulation engine and on a local Flower deployment, with start-up
-shown separately.
+"""Flower benchmarks (issue: nested FL on Flower; scaling out): wall time per round of the digits
+run on the embedded engine, on Flower's simulation engine and on a local Flower deployment, with
+start-up shown separately, and whether each gives the embedded engine's final tensors.
 
 The run: ``specs/train/digits-quick.yaml`` (NeFL, ResNet20 at 16x16, 20 clients, 10 per round,
 5 local epochs), ``--rounds`` rounds, evaluated once after the last. A round's time is its
@@ -9,20 +9,22 @@ the median of rounds 2..R. Start-up: wall time from the start (the call, or star
 SuperLink) to the end of round 1, minus one median round; it holds Ray's start, the nodes' set-up
 and the first messages' imports and data loading.
 
-Engines: ``embedded`` (in process; run first and again last, since the machine's load drifts,
-and the ratios are to the mean of the two); ``simulation, 1 client at a time`` (Ray, one actor with
-``--threads`` threads: the same resources as the embedded engine, so its ratio is the overhead);
-``simulation, parallel`` (as many actors as cores allow, what ``--engine flower`` does);
-``deployment`` (a SuperLink and 20 SuperNodes on 127.0.0.1, the example Flower App with
-``flwr run``; Flower starts one ClientApp process per message).
+Engines: ``embedded-1`` / ``embedded-2`` (in process, 1 or 2 torch threads); ``simulation-1`` /
+``simulation-2`` (Ray, 1 or 2 actors with one thread each; ``--engine flower`` uses every core);
+``deployment-subprocess`` / ``deployment-process`` (a SuperLink and 20 SuperNodes on 127.0.0.1, the
+example Flower App with ``flwr run``, one thread per node: Flower starting a ClientApp process per
+message, or one long-running ``nefl-zoo clientapp`` per node). Every engine runs ``--passes``
+times, every other pass in reverse order (A B C C B A), so a change in the machine's load falls
+on all of them alike; the table gives every pass, with the load average before and after it.
 
-Run: ``python benchmarks/bench_flower.py [--rounds 4] [--threads 1] [--engines embedded,simulation,deployment]``;
+Run: ``python benchmarks/bench_flower.py [--rounds 8] [--passes 2] [--engines embedded-1,simulation-2]``;
 prints markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -56,50 +58,45 @@ class Clock:
         pass
 
 
-def summary(name: str, first_round_end: float, records: list[dict], load: tuple[float, float]) -> dict:
-    times = [r["time_s"] for r in records]
-    per_round = statistics.median(times[1:])
-    startup = max(0.0, first_round_end - per_round)  # 0 when round 1 was no slower than the median
-    return {"engine": name, "per_round": per_round, "startup": startup, "rounds": times, "load": load}
-
-
 def overrides(rounds: int) -> list[str]:
     return [f"rounds={rounds}", f"eval.every={rounds}", f"checkpoint_every={rounds}"]
 
 
-def embedded(rounds: int, out: Path) -> dict:
+def embedded(rounds: int, out: Path, threads: int) -> dict:
     from nefl_zoo.fl.config import load_config
     from nefl_zoo.fl.engine import Engine
 
-    load = os.getloadavg()[0]
-    clock = Clock()
-    Engine(load_config(CONFIG, overrides(rounds)), out).run(observer=clock)
-    return summary("embedded", clock.ends[0], records(out), (load, os.getloadavg()[0]))
+    before, clock = torch.get_num_threads(), Clock()
+    torch.set_num_threads(threads)
+    try:
+        Engine(load_config(CONFIG, overrides(rounds)), out).run(observer=clock)
+    finally:
+        torch.set_num_threads(before)
+    return {"first_round_end": clock.ends[0]}
 
 
-def simulation(rounds: int, out: Path, threads: int, parallel: bool) -> dict:
+def simulation(rounds: int, out: Path, actors: int) -> dict:
+    """Flower's simulation engine, ``actors`` clients at a time, one torch thread each."""
     from nefl_zoo.fl.config import load_config
     from nefl_zoo.fl.flower import simulate
 
-    load = os.getloadavg()[0]
     clock = Clock()
-    simulate(load_config(CONFIG, overrides(rounds)), out, observer=clock, threads=threads, cpus=None if parallel else threads)
-    name = "simulation, parallel" if parallel else "simulation, 1 client at a time"
-    return summary(name, clock.ends[0], records(out), (load, os.getloadavg()[0]))
+    simulate(load_config(CONFIG, overrides(rounds)), out, observer=clock, threads=1, cpus=actors)
+    return {"first_round_end": clock.ends[0]}
 
 
-def deployment(rounds: int, out: Path, threads: int) -> dict:
+def deployment(rounds: int, out: Path, isolation: str) -> dict:
+    """A SuperLink and one SuperNode per client on 127.0.0.1, one torch thread each."""
     from nefl_zoo.fl.config import load_config
     sys.path.insert(0, str(ROOT))  # tests/support: test-only process management, not in the package
     from tests.support.deployment import LocalDeployment
 
     clients = load_config(CONFIG).clients.num_clients
-    load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    with LocalDeployment(out.parent / "deployment") as dep:
+    with LocalDeployment(out.parent / f"{out.name}-processes") as dep:
         dep.start_superlink()
         for i in range(clients):
-            dep.start_supernode(i, clients, threads=threads)
+            dep.start_supernode(i, clients, isolation=isolation, threads=1)
         run = dep.flwr_run("run", APP, {"config": str(CONFIG), "out": str(out), "overrides": "; ".join(overrides(rounds))})
         first = None
         while run.poll() is None:
@@ -108,7 +105,30 @@ def deployment(rounds: int, out: Path, threads: int) -> dict:
             time.sleep(0.1)
         if run.returncode != 0:
             raise RuntimeError(f"flwr run failed: {dep.log('run')}")
-    return summary(f"deployment ({clients} SuperNodes)", first, records(out), (load, os.getloadavg()[0]))
+    return {"first_round_end": first}
+
+
+ENGINES = {  # name -> (label, run(rounds, out))
+    "embedded-1": ("embedded, 1 thread", lambda r, o: embedded(r, o, 1)),
+    "embedded-2": ("embedded, 2 threads", lambda r, o: embedded(r, o, 2)),
+    "simulation-1": ("simulation, 1 actor", lambda r, o: simulation(r, o, 1)),
+    "simulation-2": ("simulation, 2 actors", lambda r, o: simulation(r, o, 2)),
+    "deployment-subprocess": ("deployment, a ClientApp process per message (Flower's subprocess isolation)",
+                              lambda r, o: deployment(r, o, "subprocess")),
+    "deployment-process": ("deployment, long-running ClientApps (process isolation, nefl-zoo clientapp)",
+                           lambda r, o: deployment(r, o, "process")),
+}
+
+
+def measure(name: str, rounds: int, out: Path) -> dict:
+    """One pass of engine ``name``: per-round times, start-up, load averages, the final state's hash."""
+    load = os.getloadavg()
+    result = ENGINES[name][1](rounds, out)
+    times = [r["time_s"] for r in records(out)]
+    per_round = statistics.median(times[1:])
+    return {"engine": name, "per_round": per_round, "rounds": times, "load": (load, os.getloadavg()),
+            "startup": max(0.0, result["first_round_end"] - per_round),  # 0 when round 1 was no slower
+            "state": hashlib.sha256((out / "global.safetensors").read_bytes()).hexdigest()}
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -116,38 +136,97 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
+def serial_share(rounds: int, out: Path) -> dict:
+    """Where an embedded round's time goes (1 thread): the clients' training, which Flower runs
+    in parallel, and the server's own steps (configure, aggregate; evaluation once at the end),
+    which stay serial whatever the engine. Medians over rounds 2..R, in seconds."""
+    from nefl_zoo.fl.config import load_config
+    from nefl_zoo.fl.engine import Engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(load_config(CONFIG, overrides(rounds)), out)
+    spent: dict[str, list[float]] = {"configure": [], "train": [], "aggregate": [], "evaluate": []}
+
+    def timed(name, call):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name].append(time.perf_counter() - t0)
+        return run
+
+    engine.strategy.configure_train = timed("configure", engine.strategy.configure_train)
+    engine.strategy.aggregate_train = timed("aggregate", engine.strategy.aggregate_train)
+    engine.exchange = timed("train", engine.exchange)
+    engine.evaluate = timed("evaluate", engine.evaluate)
+    try:
+        engine.run()
+    finally:
+        torch.set_num_threads(before)
+    return {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in spent.items()}
+
+
+def print_serial(share: dict, clients: int) -> None:
+    serial = share["configure"] + share["aggregate"]
+    total = serial + share["train"]
+    print(f"\n### What stays serial per round (embedded engine, 1 thread, median of rounds 2..R)\n")
+    print(f"Per round: clients' training {share['train']:.2f} s ({clients} clients), the server's configure "
+          f"{share['configure']:.3f} s and aggregate {share['aggregate']:.3f} s (serial: {100 * serial / total:.1f}% of "
+          f"the round); evaluation of every submodel, when scheduled, {share['evaluate']:.2f} s, also serial.")
+    print("Ideal per-round time with N cores running clients in parallel (no transport cost): "
+          + ", ".join(f"N={n}: {serial + share['train'] / min(n, clients):.2f} s ({total / (serial + share['train'] / min(n, clients)):.1f}x)"
+                      for n in (1, 2, 4, 8, clients)) + f"; beyond {clients} cores a round has no more clients to spread.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per client (and of the embedded engine)")
-    parser.add_argument("--engines", default="embedded,simulation,deployment", help="which to run (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"which to run (comma-separated of {', '.join(ENGINES)})")
+    parser.add_argument("--passes", type=int, default=2, help="passes over the engines, every other one in reverse order")
+    parser.add_argument("--serial", action="store_true", help="also time the server's serial steps of an embedded run")
     args = parser.parse_args()
-    engines = set(args.engines.split(","))
-    torch.set_num_threads(args.threads)
+    names = args.engines.split(",")
+    unknown = sorted(set(names) - set(ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    work = Path(tempfile.mkdtemp(prefix="bench-flower-"))
-    results = [embedded(args.rounds, work / "embedded")]
-    if "simulation" in engines:
-        results += [simulation(args.rounds, work / "sim-serial", args.threads, parallel=False),
-                    simulation(args.rounds, work / "sim-parallel", args.threads, parallel=True)]
-    if "deployment" in engines:
-        results.append(deployment(args.rounds, work / "deployment-run", args.threads))
-    again = embedded(args.rounds, work / "embedded-again")  # the machine's load drifts: bracket the others
-    results.append({**again, "engine": "embedded, again"})
+    work = Path(os.environ.get("BENCH_WORK") or tempfile.mkdtemp(prefix="bench-flower-"))
+    start_load = os.getloadavg()
+    passes: dict[str, list[dict]] = {n: [] for n in names}
+    for p in range(args.passes):  # A B C ... C B A: drift in the machine's load falls on every engine alike
+        for name in (names if p % 2 == 0 else names[::-1]):
+            passes[name].append(measure(name, args.rounds, work / f"{name}-{p}"))
+            print(f"# {name} pass {p + 1}: {passes[name][-1]['per_round']:.2f} s per round", file=sys.stderr, flush=True)
+    end_load = os.getloadavg()
 
     import flwr
 
-    base = (results[0]["per_round"] + results[-1]["per_round"]) / 2  # embedded, before and after
-    print(f"torch {torch.__version__}, flwr {flwr.__version__}, {args.threads} thread(s) per client, "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}\n")
-    print(f"### digits-quick, {args.rounds} rounds (per round: median of rounds 2..{args.rounds}; "
-          f"ratio: to the mean of the two embedded runs, {base:.2f} s)\n")
-    print("| engine | start-up (s) | per round (s) | ratio to embedded | rounds (s) | load avg before / after |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        rounds = ", ".join(f"{t:.2f}" for t in r["rounds"])
-        print(f"| {r['engine']} | {r['startup']:.1f} | {r['per_round']:.2f} | {r['per_round'] / base:.2f}x | {rounds} | "
-              f"{r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+    reference = next((passes[n][0]["state"] for n in ("embedded-1",) if n in passes), None)
+    base = statistics.mean(r["per_round"] for r in passes.get("embedded-1", [])) if "embedded-1" in passes else None
+    print(f"torch {torch.__version__}, flwr {flwr.__version__}, {os.cpu_count()} CPUs, "
+          f"{platform.processor() or platform.machine()}; {args.passes} passes (order reversed every other pass); "
+          f"load average {' / '.join(f'{x:.2f}' for x in start_load)} at the start, "
+          f"{' / '.join(f'{x:.2f}' for x in end_load)} at the end\n")
+    print(f"### digits-quick, {args.rounds} rounds (per round: median of rounds 2..{args.rounds} in each pass)\n")
+    print("| engine | per round (s), per pass | mean | ratio to embedded, 1 thread | start-up (s) | "
+          "final state = embedded, 1 thread | load avg (1 min) before / after, per pass |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        runs = passes[name]
+        mean = statistics.mean(r["per_round"] for r in runs)
+        same = "n/a" if reference is None else ("yes" if all(r["state"] == reference for r in runs) else "**no**")
+        ratio = f"{mean / base:.2f}x" if base else "n/a"
+        per_pass = ", ".join(f"{r['per_round']:.2f}" for r in runs)
+        startup = ", ".join(f"{r['startup']:.1f}" for r in runs)
+        loads = ", ".join(f"{r['load'][0][0]:.2f} / {r['load'][1][0]:.2f}" for r in runs)
+        print(f"| {ENGINES[name][0]} | {per_pass} | {mean:.2f} | {ratio} | {startup} | {same} | {loads} |")
+    if args.serial:
+        from nefl_zoo.fl.config import load_config
+
+        config = load_config(CONFIG)
+        print_serial(serial_share(args.rounds, work / "serial"), round(config.clients.num_clients * config.clients.fraction))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""``nefl-zoo train``, ``compare`` and ``methods``: nested federated training, in process or on
-Flower's simulation engine."""
+"""``nefl-zoo train``, ``compare``, ``methods`` and ``clientapp``: nested federated training, in
+process, on Flower's simulation engine, or as a long-running ClientApp of a Flower deployment."""
 
 from __future__ import annotations
 
@@ -75,13 +75,37 @@ def train(
         print_json({"method": cfg.method, "name": cfg.name, "run_dir": str(run_dir), **asdict(result)})
 
 
-def _flower():
+def _flower(what: str = "--engine flower"):
     """``nefl_zoo.fl.flower``, or a one-line error naming the extra to install."""
     try:
         from nefl_zoo.fl import flower
     except ImportError as exc:
-        raise fail(f"--engine flower needs Flower: pip install 'nefl-zoo[flower]' ({exc})") from None
+        raise fail(f"{what} needs Flower: pip install 'nefl-zoo[flower]' ({exc})") from None
     return flower
+
+
+def clientapp(
+    runtime_api_address: str = typer.Option("127.0.0.1:9094", "--runtime-api-address",
+                                            help="the SuperNode's Runtime API (flower-supernode --port)"),
+    insecure: bool = typer.Option(False, "--insecure", help="plain HTTP to the SuperNode (its default)"),
+    root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate of a TLS Runtime API"),
+    poll: float = typer.Option(0.25, "--poll", help="seconds between requests for a task while idle (each costs the SuperNode and this process about 3 ms of CPU)"),
+) -> None:
+    """A long-running ClientApp process for a SuperNode started with --isolation process: imports,
+    data and model set-up once per node instead of once per message."""
+    if not insecure and root_certificates is None:
+        raise fail("--insecure or --root-certificates: say how to reach the SuperNode's Runtime API")
+    if not poll > 0:
+        raise fail(f"--poll: must be > 0 seconds, got {poll}")
+    _flower("nefl-zoo clientapp")
+    _setup(None)
+    from nefl_zoo.fl.flower.worker import serve
+
+    certificates = None
+    if root_certificates is not None:
+        with user_errors(OSError):
+            certificates = root_certificates.read_bytes()
+    serve(runtime_api_address, insecure=insecure, root_certificates=certificates, poll=poll)
 
 
 def compare(
@@ -183,7 +207,8 @@ def methods(as_json: bool = json_option()) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``train``, ``compare`` and ``methods`` to the ``nefl-zoo`` app."""
+    """Add ``train``, ``compare``, ``methods`` and ``clientapp`` to the ``nefl-zoo`` app."""
     app.command("train")(guarded(train))
     app.command("compare")(guarded(compare))
     app.command("methods")(guarded(methods))
+    app.command("clientapp")(guarded(clientapp))

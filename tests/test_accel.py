@@ -112,6 +112,36 @@ def test_resident_batches_are_the_dataloaders_bit_for_bit(tmp_path):
     assert all(torch.equal(a, b) for a, (b, _) in zip(plain, ordered_batches(data.test, 16)))
 
 
+def test_an_epochs_small_last_batch_is_dropped_or_merged_without_moving_the_other_batches(tmp_path):
+    dataset = _engine(tmp_path).data.client_dataset(3)
+    n, last = len(dataset), len(dataset) % 16
+    assert last and n // 16 >= 2
+
+    def draw(batch_size=16, **rule):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            return [y for _, y in shuffled_batches(dataset, batch_size, 9, 2, **rule)], torch.rand(1)
+
+    def same(xs, ys):
+        return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+    every, after = draw()  # min_batch 1: the DataLoader's batches
+    per_epoch = len(every) // 2
+    assert [len(y) for y in every] == ([16] * (per_epoch - 1) + [last]) * 2
+    assert same(draw(min_batch=last)[0], every)
+    dropped, after_drop = draw(min_batch=last + 1)
+    assert same(dropped, [y for i, y in enumerate(every) if i % per_epoch != per_epoch - 1])
+    assert torch.equal(after_drop, after)  # the dropped batch was still drawn: the same RNG stream after it
+    merged, after_merge = draw(min_batch=last + 1, merge=True)
+    assert [len(y) for y in merged] == ([16] * (per_epoch - 2) + [16 + last]) * 2
+    assert same(merged, [*every[:per_epoch - 2], torch.cat(every[per_epoch - 2:per_epoch]),
+                         *every[per_epoch:-2], torch.cat(every[-2:])])
+    assert torch.equal(after_merge, after)
+    # an epoch that is one small batch is dropped, merged or not
+    assert draw(n, min_batch=n + 1)[0] == [] and draw(n, min_batch=n + 1, merge=True)[0] == []
+    assert [len(y) for y in draw(n, min_batch=n)[0]] == [n, n]
+
+
 def _reference_fit(local, dataset, config) -> dict[str, torch.Tensor]:
     """Local training as it was before devices and precisions (the DataLoader loop)."""
     seed = int(config["seed"])

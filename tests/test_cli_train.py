@@ -1,4 +1,4 @@
-"""``nefl-zoo train``, ``compare`` and ``methods`` end to end on a tiny digits setup (their
+"""``nefl-zoo train``, ``compare``, ``methods`` (and ``clientapp``'s bad input) end to end on a tiny digits setup (their
 ``--json`` output included: each run happens once, here)."""
 
 import json
@@ -75,6 +75,9 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
         ["compare", QUICK, "--methods", "nefl,bogus"],
         ["train", QUICK, "--threads", "0"],
         ["compare", QUICK, "--seeds", "0"],
+        ["clientapp"],  # neither --insecure nor --root-certificates
+        ["clientapp", "--insecure", "--poll", "0"],
+        ["clientapp", "--root-certificates", str(tmp_path / "missing.crt")],
     ]
     for args in cases:
         result = runner.invoke(app, args)

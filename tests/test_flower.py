@@ -82,6 +82,27 @@ def test_instructions_and_replies_travel_field_by_field_with_the_client_state(se
     assert garbled.error.startswith("reply does not decode") and state is None
 
 
+def test_a_state_travels_as_one_array_of_safetensors_bytes_in_its_own_order():
+    from flwr.app import Array, ArrayRecord
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from nefl_zoo.fl.flower.records import to_array_record
+
+    state = {f"layer{i}.weight": torch.randn(8, 3) for i in range(40)}
+    state = {"z.step": torch.tensor(0.5), **state, "a.count": torch.tensor(3, dtype=torch.int64)}
+    record = to_array_record(state)
+    # one array: Flower moves each array of a message as its own objects and requests
+    assert list(record) == ["tensors"] and len(get_all_nested_objects(record)) == 3
+    back = to_state(record)
+    assert list(back) == list(state)  # the sender's order, not safetensors' sorted one
+    assert_equal_tensors(back, state)
+    assert tensor_bytes(record) == 40 * 8 * 3 * 4 + 4 + 8
+    back["a.count"] += 1  # writable
+    for foreign in (ArrayRecord({"w": Array(torch.ones(2).numpy())}), ArrayRecord({"tensors": Array(torch.ones(2).numpy())})):
+        with pytest.raises(ValueError, match="not a nefl-zoo tensor record"):
+            to_state(foreign)
+
+
 class InProcessGrid:
     """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp right
     away with its node's Context (no Ray, no processes). ``faults`` maps a node id to a function

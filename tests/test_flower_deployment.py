@@ -1,5 +1,7 @@
 """Nested FL on a real Flower deployment: a SuperLink and 3 SuperNodes as processes on free
-localhost ports (``tests/support/deployment.py``), the example Flower App submitted with ``flwr run``.
+localhost ports (``tests/support/deployment.py``), two with a long-running ``nefl-zoo clientapp``
+(process isolation) and one with Flower's ClientApp process per message, the example Flower App
+submitted with ``flwr run``.
 
 One deployment serves two runs: NeFL for 1 round (the embedded engine's global tensors and
 records; each node trains only submodels its declared level allows and exchanges only their
@@ -39,6 +41,9 @@ APP = ROOT / "examples" / "flower-app"
 # (it gets the config's group for partition 2); the embedded runs use the same groups. One torch
 # thread, as here: the same arithmetic, so the same tensors
 NODE_CONFIGS = [{"threads": 1, "max_tier": "g0.25"}, {"threads": 1, "max_tier": "g0.5"}, {"threads": 1}]
+# nodes 0 and 1 run a long-running `nefl-zoo clientapp` (process isolation; node 1 is killed with
+# it), node 2 a ClientApp process per message as Flower does by default: both give the same tensors
+ISOLATION = ["process", "process", "subprocess"]
 GROUPS = [["g0.25"], ["g0.25", "g0.5"], ["g0.25", "g0.5", "g1"]]
 
 
@@ -60,8 +65,8 @@ def deployment(tmp_path_factory):
         pytest.skip(f"no free localhost port: {exc}")
     try:
         dep.start_superlink()
-        for i, node_config in enumerate(NODE_CONFIGS):
-            dep.start_supernode(i, 3, **node_config)
+        for i, (node_config, isolation) in enumerate(zip(NODE_CONFIGS, ISOLATION)):
+            dep.start_supernode(i, 3, isolation=isolation, **node_config)
         yield dep
     finally:
         assert dep.close() == [], "processes left behind"
@@ -110,3 +115,4 @@ def test_deployment_equals_embedded_and_survives_a_killed_supernode(deployment, 
     assert last["clients"] == 2, last
     assert "1" not in last["per_client"] or last["rejected"] == 1
     assert not group_alive(deployment.processes["supernode1"].pid)
+    assert not group_alive(deployment.processes["supernode1-clientapp"].pid)

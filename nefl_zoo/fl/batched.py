@@ -28,8 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import Dataset
 
-from .batches import shuffled_batches
-from .client import ClientResult, fit
+from .client import ClientResult, fit, training_batches
 from .device import placement, to_cpu
 from .local import LocalModel
 from .strategy import Instruction, Reply, Strategy
@@ -66,7 +65,7 @@ def _why_not(local: LocalModel | None) -> str | None:
 def _group_key(local: LocalModel, instruction: Instruction) -> tuple:
     config = instruction.config
     shapes = tuple((k, tuple(v.shape)) for k, v in local.state_dict().items())
-    hyper = tuple(config.get(k) for k in ("lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size"))
+    hyper = tuple(config.get(k) for k in ("lr", "momentum", "weight_decay", "grad_clip", "local_epochs", "batch_size", "min_batch", "last_batch"))
     return instruction.level, type(local), hyper, shapes
 
 
@@ -105,8 +104,7 @@ def fit_together(locals_: Sequence[LocalModel], datasets: Sequence[Dataset], con
         seed = int(cfg["seed"])
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            batches = shuffled_batches(dataset, int(cfg["batch_size"]), seed, int(cfg["local_epochs"]), where.device)
-            streams.append([(x, y) for x, y in batches if len(y) >= 2])  # fit skips single-sample batches
+            streams.append(list(training_batches(dataset, cfg, where.device)))
 
     def loss_of(p: Tensors, rest: Tensors, x: torch.Tensor, y: torch.Tensor):
         loss, logits = functional_call(template, (p, rest), (x, y))

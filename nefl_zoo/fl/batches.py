@@ -65,27 +65,56 @@ def _gather(images: TensorImages, device: torch.device, rows: torch.Tensor, pad:
 
 
 def shuffled_batches(dataset: Dataset, batch_size: int, seed: int, epochs: int = 1,
-                     device: torch.device | str = "cpu") -> Iterator[Batch]:
+                     device: torch.device | str = "cpu", min_batch: int = 1, merge: bool = False) -> Iterator[Batch]:
     """``epochs`` epochs of ``dataset`` shuffled by a generator seeded with ``seed``, as
     ``DataLoader(shuffle=True)`` gives them, on ``device``; run it under the caller's seeded RNG
-    (augmentation draws from torch's global RNG while the batches are produced)."""
+    (augmentation draws from torch's global RNG while the batches are produced).
+
+    An epoch's last batch with fewer than ``min_batch`` samples is dropped, or with ``merge``
+    joined to the batch before it (an epoch that is one such batch is dropped either way). A
+    dropped batch is still drawn, augmentation included, so the RNG streams and the other
+    batches are the same for every ``min_batch``."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     resident = _resident(dataset)
     if resident is None:
+        n = len(dataset)
+    else:
+        images, indices, pad = resident
+        n = len(indices) if indices is not None else len(images)
+    count = -(-n // batch_size)
+    rule = _LastBatch(count, n - (count - 1) * batch_size if count else 0, min_batch, merge)
+    if resident is None:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator)
         for _ in range(epochs):
-            for x, y in loader:
-                yield x.to(device), y.to(device)
+            yield from rule.apply((x.to(device), y.to(device)) for x, y in loader)
         return
-    images, indices, pad = resident
-    n = len(indices) if indices is not None else len(images)
     for _ in range(epochs):
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # the DataLoader's per-epoch base seed
         order = torch.randperm(n, generator=generator)
         torch.randperm(n, generator=generator)  # RandomSampler draws (and drops) one more at the epoch's end
-        for part in order.split(batch_size):
-            yield _gather(images, device, indices[part] if indices is not None else part, pad)
+        yield from rule.apply(_gather(images, device, indices[part] if indices is not None else part, pad)
+                              for part in order.split(batch_size))
+
+
+class _LastBatch:
+    """What becomes of an epoch's last batch: kept, dropped or merged into the one before; the
+    epoch's batch count and last batch size are known in advance, so no batch is drawn early."""
+
+    def __init__(self, count: int, last_size: int, min_batch: int, merge: bool):
+        self.count, self.small = count, last_size < min_batch
+        self.merge = merge and count > 1
+
+    def apply(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        held = None
+        for i, batch in enumerate(batches):
+            if self.small and self.merge and i == self.count - 2:
+                held = batch
+            elif self.small and i == self.count - 1:
+                if held is not None:
+                    yield torch.cat((held[0], batch[0])), torch.cat((held[1], batch[1]))
+            else:
+                yield batch
 
 
 def ordered_batches(dataset: Dataset, batch_size: int, device: torch.device | str = "cpu") -> Iterator[Batch]:

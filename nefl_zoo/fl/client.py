@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch.utils.data import Dataset
@@ -49,7 +49,8 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
 
 def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     """SGD on ``dataset`` as an instruction's ``config`` says (``lr``, ``local_epochs``,
-    ``batch_size``, ``momentum``, ``weight_decay``, optional ``grad_clip``, ``seed``), on the
+    ``batch_size``, ``min_batch``, ``last_batch``, ``momentum``, ``weight_decay``, optional
+    ``grad_clip``, ``seed``), on the
     device and in the precision of the current :func:`~nefl_zoo.fl.device.placement`.
 
     All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
@@ -66,9 +67,7 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         local.train()
-        for x, y in shuffled_batches(dataset, int(config["batch_size"]), seed, int(config["local_epochs"]), where.device):
-            if len(y) < 2:  # BatchNorm cannot train on a single sample
-                continue
+        for x, y in training_batches(dataset, config, where.device):
             optimizer.zero_grad(set_to_none=True)
             with where.autocast():
                 loss, logits = local.loss(x, y)
@@ -89,6 +88,18 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
             seen += len(y)
     metrics = {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1)}
     return ClientResult(to_cpu(local.state()), len(dataset), metrics)
+
+
+def training_batches(dataset: Dataset, config: Mapping, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of local training as an instruction's ``config`` says: ``local_epochs`` of
+    ``batch_size``, each epoch's last batch below ``min_batch`` dropped, or merged into the one
+    before when ``last_batch`` is ``merge`` (:class:`~nefl_zoo.fl.settings.TrainConfig`; an
+    instruction without them, from an older server, gets its defaults)."""
+    defaults = TrainConfig.model_fields
+    min_batch = int(config.get("min_batch", defaults["min_batch"].default))
+    merge = config.get("last_batch", defaults["last_batch"].default) == "merge"
+    return shuffled_batches(dataset, int(config["batch_size"]), int(config["seed"]), int(config["local_epochs"]), device,
+                            min_batch=min_batch, merge=merge)
 
 
 @torch.no_grad()

@@ -79,6 +79,11 @@ class TrainConfig(Strict):
 
     local_epochs: int = Field(5, ge=1)
     batch_size: int = Field(32, ge=1)
+    min_batch: int = Field(2, ge=1, description="an epoch's last batch with fewer samples is dropped or merged "
+                           "(last_batch); 2: BatchNorm cannot train on one sample")
+    last_batch: Literal["drop", "merge"] = Field(
+        "drop", description="a last batch below min_batch: drop it (its samples come back in the next epoch's "
+        "shuffle) or merge it into the batch before it")
     lr: float = Field(0.1, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)

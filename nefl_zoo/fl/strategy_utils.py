@@ -51,7 +51,8 @@ def train_config(run: Run, server_round: int, cid: int) -> dict[str, ConfigValue
     out: dict[str, ConfigValue] = {
         "round": server_round, "client": cid, "seed": client_seed(run, server_round, cid),
         "lr": learning_rate(cfg, server_round - 1, run.rounds), "local_epochs": cfg.local_epochs,
-        "batch_size": cfg.batch_size, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+        "batch_size": cfg.batch_size, "min_batch": cfg.min_batch, "last_batch": cfg.last_batch,
+        "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
     }
     if cfg.grad_clip is not None:
         out["grad_clip"] = cfg.grad_clip

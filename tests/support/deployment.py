@@ -104,14 +104,20 @@ class LocalDeployment:
             time.sleep(0.2)
         raise RuntimeError(f"the SuperLink did not open port {self.port}: {self.log('superlink')}")
 
-    def start_supernode(self, partition: int, num_partitions: int, **node_config) -> str:
+    def start_supernode(self, partition: int, num_partitions: int, isolation: str = "subprocess", **node_config) -> str:
         """Start SuperNode ``supernodeP`` for ``partition``; ``node_config`` adds keys such as
-        ``max_tier="g0.5"`` or ``threads=1`` (underscores become dashes). Returns its name."""
+        ``max_tier="g0.5"`` or ``threads=1`` (underscores become dashes). ``isolation``:
+        ``subprocess`` (Flower starts a ClientApp process per message) or ``process`` (one
+        long-running ``nefl-zoo clientapp`` beside the SuperNode: process group
+        ``supernodeP-clientapp``, ended with the SuperNode by :meth:`end`). Returns its name."""
         values = {"partition-id": partition, "num-partitions": num_partitions,
                   **{k.replace("_", "-"): v for k, v in node_config.items()}}
-        name = f"supernode{partition}"
+        name, runtime = f"supernode{partition}", free_port()
         self.start(name, "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                   "--port", str(free_port()), "--node-config", run_config_arg(values))
+                   "--port", str(runtime), "--node-config", run_config_arg(values), "--isolation", isolation)
+        if isolation == "process":
+            self.start(f"{name}-clientapp", "nefl-zoo", "clientapp", "--insecure",
+                       "--runtime-api-address", f"127.0.0.1:{runtime}")
         return name
 
     def flwr_run(self, name: str, app_dir: str | Path, run_config: dict) -> subprocess.Popen:
@@ -120,7 +126,10 @@ class LocalDeployment:
         return self.start(name, "flwr", "run", str(app_dir), CONNECTION, "--stream", "--run-config", run_config_arg(run_config))
 
     def end(self, name: str, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
-        """End process group ``name`` with ``sig``, then SIGKILL what is left after ``grace`` s."""
+        """End process group ``name`` (and a SuperNode's ClientApp process, if it has one) with
+        ``sig``, then SIGKILL what is left after ``grace`` s."""
+        if f"{name}-clientapp" in self.processes:
+            self.end(f"{name}-clientapp", sig, grace)
         process = self.processes[name]
         for s in (sig, signal.SIGKILL):
             try:

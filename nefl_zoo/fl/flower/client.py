@@ -14,13 +14,16 @@ Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this
 ``device`` (the config's ``train.device`` on this node, e.g. ``cpu`` on a node without the
 server's GPU) and ``threads`` (torch CPU threads; results are bit-identical to the embedded
 engine's only with the same thread count and device). The hooks compute on the run's
-``train.device`` and ``train.precision`` (:mod:`~nefl_zoo.fl.device`). The method and its data are built once per process and configuration.
+``train.device`` and ``train.precision`` (:mod:`~nefl_zoo.fl.device`). The method and its data
+are built once per process and configuration, when the setup message arrives: in a long-running
+ClientApp process (the simulation's actors, ``nefl-zoo clientapp``) rounds find them ready.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 
 import torch
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
@@ -34,6 +37,7 @@ from ..strategy import Strategy
 from .nodes import NODE, NODE_KEYS, SETUP
 from .records import read_instruction, reply_content
 
+log = logging.getLogger(__name__)
 RUNS = "nefl.runs"  # context.state: run id -> its configuration (JSON)
 
 app = ClientApp()
@@ -59,8 +63,19 @@ def setup(message: Message, context: Context) -> Message:
     runs = context.state.config_records.get(RUNS) or ConfigRecord()
     runs[str(run["run"])] = str(run["config"])
     context.state[RUNS] = runs
+    try:  # build the method and its data now, not in round 1, where this process lives on
+        _built(str(run["config"]), context)
+    except Exception as exc:  # noqa: BLE001 - the first train message fails the same way and reports it
+        log.warning("run %s could not be set up on this node (its first message will fail): %s", run["run"], exc)
     node = {k: context.node_config[k] for k in NODE_KEYS if k in context.node_config}
     return Message(RecordDict({NODE: ConfigRecord(node)}), reply_to=message)
+
+
+def _built(config_json: str, context: Context) -> tuple[Strategy, FederatedData, Placement]:
+    node = context.node_config
+    if "threads" in node:
+        torch.set_num_threads(int(node["threads"]))
+    return _method(config_json, str(node.get("data-root", "")), str(node.get("device", "")))
 
 
 @app.train()
@@ -76,15 +91,12 @@ def evaluate(message: Message, context: Context) -> Message:
 
 
 def _serve(kind: str, message: Message, context: Context) -> Message:
-    if "threads" in context.node_config:
-        torch.set_num_threads(int(context.node_config["threads"]))
     instruction, run, client_state = read_instruction(message.content)
     runs = context.state.config_records.get(RUNS) or {}
     if run not in runs:
         raise RuntimeError(f"this node was not set up for run {run} (no setup message reached it)")
-    node = context.node_config
-    strategy, data, where = _method(str(runs[run]), str(node.get("data-root", "")), str(node.get("device", "")))
-    partition = int(node["partition-id"])
+    strategy, data, where = _built(str(runs[run]), context)
+    partition = int(context.node_config["partition-id"])
     with placed(where):
         if kind == "train":
             reply = strategy.train(instruction, data.client_dataset(partition), client_state)

@@ -16,33 +16,59 @@ Decoding a reply never raises: an error message, or content that does not decode
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 import typing
 from typing import Any, Mapping, TypeVar
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
 from ..strategy import Instruction, Reply, State
 
 SCALARS, CLIENT, RUN = "nefl.fields", "nefl.client", "nefl.run"  # record names beside the fields'
+PACKED, STYPE, ORDER = "tensors", "nefl.safetensors", "nefl.order"  # the one array of a tensor record
 T = TypeVar("T", Instruction, Reply)
 
 
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (its JSON header, read without the tensors)."""
+    if len(data) < 8:
+        raise ValueError("tensor record too short for safetensors")
+    (size,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + size]).get("__metadata__") or {}
+
+
 def to_array_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """Tensors as an ``ArrayRecord`` (same keys, dtypes and shapes)."""
-    return ArrayRecord({k: Array(v.detach().cpu().contiguous().numpy()) for k, v in state.items()})
+    """Tensors as an ``ArrayRecord`` holding one ``Array``: the tensors' safetensors bytes (same
+    keys, order, dtypes and shapes on arrival). One array instead of one per tensor: Flower moves
+    every array of a message as separate objects, each its own request between SuperLink,
+    SuperNode and ClientApp, which cost far more than the bytes for a model of ~100 tensors."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    data = save_tensors(tensors, metadata={ORDER: json.dumps(list(tensors))})
+    return ArrayRecord({PACKED: Array(dtype="uint8", shape=(len(data),), stype=STYPE, data=data)})
 
 
 def to_state(record: ArrayRecord) -> State:
-    """An ``ArrayRecord`` as tensors (writable copies)."""
-    return {k: torch.from_numpy(np.array(a.numpy())) for k, a in record.items()}
+    """An ``ArrayRecord`` written by :func:`to_array_record` as tensors (writable, in the order
+    they were given); ``ValueError`` for any other record."""
+    array = record.get(PACKED) if len(record) == 1 else None
+    if array is None or array.stype != STYPE:
+        raise ValueError(f"not a nefl-zoo tensor record (one {STYPE!r} array named {PACKED!r}): {sorted(record)}")
+    data = bytes(array.data)
+    tensors = load_tensors(data)
+    order = json.loads(_metadata(data).get(ORDER, "[]"))
+    if sorted(order) != sorted(tensors):
+        raise ValueError("the tensor record's order does not name its tensors")
+    return {k: tensors[k] for k in order}
 
 
 def tensor_bytes(record: ArrayRecord) -> int:
-    """Bytes of the tensors an ``ArrayRecord`` carries (what :func:`to_array_record` was given;
-    the serialisation header of each array is not counted)."""
-    return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize for a in record.values())
+    """Bytes of the tensors a record from :func:`to_array_record` carries (the tensors' own
+    bytes, without the safetensors header)."""
+    return sum(t.numel() * t.element_size() for t in to_state(record).values())
 
 
 def _plain(value: Any) -> Any:
