@@ -76,8 +76,8 @@ def _client(address: str, insecure: bool, root_certificates: bytes | None, inter
                                                  retry_invoker=make_simple_http_retry_invoker())
 
 
-def run_task(address: str, token: str, apps: _Apps, *, insecure: bool, root_certificates: bytes | None = None) -> bool:
-    """Run the ClientApp task that ``token`` grants, in this process; whether it completed."""
+def run_task(address: str, token: str, apps: _Apps, *, insecure: bool, root_certificates: bytes | None = None) -> None:
+    """Run the ClientApp task that ``token`` grants, in this process, and report it to the SuperNode."""
     client = _client(address, insecure, root_certificates,
                      [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"), RuntimeTokenHttpInterceptor(token)])
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
@@ -99,13 +99,14 @@ def run_task(address: str, token: str, apps: _Apps, *, insecure: bool, root_cert
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
+        except httpx.HTTPError as exc:  # the SuperNode went away mid-task: it gives the message up
+            log.warning("the reply could not be delivered to the SuperNode: %s", exc)
         finally:
             heartbeat.stop()
             client.close()
-    return status == SubStatus.COMPLETED
 
 
-def serve(address: str, *, insecure: bool, root_certificates: bytes | None = None, poll: float = 0.25,
+def serve(address: str, *, poll: float, insecure: bool, root_certificates: bytes | None = None,
           max_tasks: int | None = None, stop: threading.Event | None = None) -> int:
     """Serve the ClientApp tasks of the SuperNode whose Runtime API is at ``address`` until
     ``stop`` is set or ``max_tasks`` were run; returns the number of tasks run. Polls every
