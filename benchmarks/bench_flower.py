@@ -171,7 +171,7 @@ def serial_share(rounds: int, out: Path) -> dict:
 def print_serial(share: dict, clients: int) -> None:
     serial = share["configure"] + share["aggregate"]
     total = serial + share["train"]
-    print(f"\n### What stays serial per round (embedded engine, 1 thread, median of rounds 2..R)\n")
+    print("\n### What stays serial per round (embedded engine, 1 thread, median of rounds 2..R)\n")
     print(f"Per round: clients' training {share['train']:.2f} s ({clients} clients), the server's configure "
           f"{share['configure']:.3f} s and aggregate {share['aggregate']:.3f} s (serial: {100 * serial / total:.1f}% of "
           f"the round); evaluation of every submodel, when scheduled, {share['evaluate']:.2f} s, also serial.")

@@ -34,6 +34,15 @@ def _seed():
 
 
 @pytest.fixture
+def server_identity(monkeypatch):
+    """What a Flower ServerApp process has set when it builds messages (Flower's TaskIdentity)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.fixture
 def resnet20_spec():
     """Three tiers of resnet20: narrow with skipped blocks (one a projection block), medium, full."""
     return parse_spec(

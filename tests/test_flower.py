@@ -1,4 +1,4 @@
-"""Nested FL on Flower: records, the FlowerEngine's transport on an in-process grid (no Ray, no
+"""Nested FL on Flower: the FlowerEngine's transport on an in-process grid (no Ray, no
 processes) and ``nefl-zoo train --engine flower`` through ``simulate``.
 
 Every method's simulation against the embedded engine, and resume with per-client state, are in
@@ -18,24 +18,13 @@ from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from nefl_zoo.fl.flower import FlowerEngine  # noqa: E402
 from nefl_zoo.fl.flower.client import app as client_app  # noqa: E402
 from nefl_zoo.fl.flower.nodes import node_levels  # noqa: E402
-from nefl_zoo.fl.flower.records import (instruction_content, read_instruction, read_reply, reply_content,  # noqa: E402
-                                        tensor_bytes, to_state)
-from nefl_zoo.fl.strategy import Instruction, Reply  # noqa: E402
+from nefl_zoo.fl.flower.records import read_reply, reply_content, tensor_bytes, to_state  # noqa: E402
 
 from .conftest import records, same_tensors, tiny  # noqa: E402
 from .support.flower import assert_equal_tensors, nbytes  # noqa: E402
 
 torch.set_num_threads(1)
 TIERS = ["g0.25", "g0.5", "g1"]
-
-
-@pytest.fixture
-def server_identity(monkeypatch):
-    """What a ServerApp process has set when it builds messages (Flower's TaskIdentity)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
 
 
 def test_node_levels_from_node_config():
@@ -45,62 +34,6 @@ def test_node_levels_from_node_config():
     for bad in ({"max-tier": "g2"}, {"levels": "g0.25,huge"}, {"levels": ""}):
         with pytest.raises(ValueError):
             node_levels(bad, (), TIERS)
-
-
-def same(a, b) -> bool:
-    """Equal dataclass fields; tensors bit-identical, numbers of the same type."""
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, dict) and x and all(isinstance(v, torch.Tensor) for v in x.values()):
-            assert_equal_tensors(x, y)
-        elif x != y or type(x) is not type(y) or (isinstance(x, dict) and any(type(x[k]) is not type(y[k]) for k in x)):
-            return False
-    return True
-
-
-def test_instructions_and_replies_travel_field_by_field_with_the_client_state(server_identity):
-    weights = {"conv.weight": torch.randn(4, 3), "bn.num_batches_tracked": torch.tensor(7), "mask": torch.tensor([True, False])}
-    instruction = Instruction(weights, {"round": 2, "lr": 0.1, "tiers": ["g0.25", "g0.5"], "prox": 0.0}, level="g0.5")
-    client_state = {"extractor.weight": torch.randn(2, 2, dtype=torch.float64)}
-    content = instruction_content(instruction, "run-7", client_state)
-    back, run, state = read_instruction(content)
-    assert same(back, instruction) and run == "run-7"
-    assert_equal_tensors(state, client_state)
-    assert read_instruction(instruction_content(instruction, "run-7", {}))[2] == {}  # no state: none sent
-
-    sent = Message(content, 3, "train")
-    reply = Reply({"conv.weight": torch.randn(4, 3)}, {"tiers": ["g1"], "accuracy": 0.25}, num_samples=10, loss=0.5, level="g1")
-    back, state = read_reply(Message(reply_content(reply, client_state), reply_to=sent))
-    assert same(back, reply) and back.error is None
-    assert same(read_reply(Message(reply_content(Reply({}, num_samples=3)), reply_to=sent))[0], Reply({}, num_samples=3))  # loss None
-    assert_equal_tensors(state, client_state)
-    assert read_reply(Message(reply_content(reply), reply_to=sent))[1] is None  # an evaluate reply: no state back
-
-    failed, state = read_reply(Message(Error(code=2, reason="out of memory"), reply_to=sent))
-    assert "out of memory" in failed.error and state is None
-    garbled, state = read_reply(Message(RecordDict({}), reply_to=sent))
-    assert garbled.error.startswith("reply does not decode") and state is None
-
-
-def test_a_state_travels_as_one_array_of_safetensors_bytes_in_its_own_order():
-    from flwr.app import Array, ArrayRecord
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-
-    from nefl_zoo.fl.flower.records import to_array_record
-
-    state = {f"layer{i}.weight": torch.randn(8, 3) for i in range(40)}
-    state = {"z.step": torch.tensor(0.5), **state, "a.count": torch.tensor(3, dtype=torch.int64)}
-    record = to_array_record(state)
-    # one array: Flower moves each array of a message as its own objects and requests
-    assert list(record) == ["tensors"] and len(get_all_nested_objects(record)) == 3
-    back = to_state(record)
-    assert list(back) == list(state)  # the sender's order, not safetensors' sorted one
-    assert_equal_tensors(back, state)
-    assert tensor_bytes(record) == 40 * 8 * 3 * 4 + 4 + 8
-    back["a.count"] += 1  # writable
-    for foreign in (ArrayRecord({"w": Array(torch.ones(2).numpy())}), ArrayRecord({"tensors": Array(torch.ones(2).numpy())})):
-        with pytest.raises(ValueError, match="not a nefl-zoo tensor record"):
-            to_state(foreign)
 
 
 class InProcessGrid:

@@ -66,14 +66,6 @@ class SuperNode:
         return Client()
 
 
-@pytest.fixture
-def server_identity(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
-
-
 def test_serve_runs_each_task_in_process_answers_a_failing_app_with_an_error_and_waits_for_the_node(
         monkeypatch, server_identity, caplog):
     answers = [httpx.ConnectError("refused"), httpx.ConnectError("refused"), Acquired(), Acquired("", task=True),

@@ -23,6 +23,7 @@ from typing import Any, Mapping, TypeVar
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -58,8 +59,11 @@ def to_state(record: ArrayRecord) -> State:
     if array is None or array.stype != STYPE:
         raise ValueError(f"not a nefl-zoo tensor record (one {STYPE!r} array named {PACKED!r}): {sorted(record)}")
     data = bytes(array.data)
-    tensors = load_tensors(data)
     order = json.loads(_metadata(data).get(ORDER, "[]"))
+    try:
+        tensors = load_tensors(data)
+    except SafetensorError as exc:
+        raise ValueError(f"the tensor record does not decode: {exc}") from None
     if sorted(order) != sorted(tensors):
         raise ValueError("the tensor record's order does not name its tensors")
     return {k: tensors[k] for k in order}
