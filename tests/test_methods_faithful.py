@@ -167,7 +167,7 @@ def test_depthfl_distillation_weight_ramps_up_as_the_papers_formula(monkeypatch)
 
 
 def test_feddyn_client_and_server_updates_by_hand():
-    from nefl_zoo.fl.feddyn import FedDynLocal, client_update, server_update
+    from nefl_zoo.fl.feddyn import FedDynLocal, client_update, is_parameter, server_update
     from nefl_zoo.fl.local import SubmodelLocal
 
     # server: h <- h - alpha n/M (w_avg - w_old); w = w_avg - h/alpha; statistics untouched
@@ -182,6 +182,15 @@ def test_feddyn_client_and_server_updates_by_hand():
     grads = {}
     client_update(grads, {"a.weight": torch.tensor([1.0, 1.0])}, {"a.weight": torch.tensor([3.0, 0.0]), "bn.running_var": torch.ones(1)}, 0.1)
     assert torch.allclose(grads["a.weight"], torch.tensor([-0.2, 0.1])) and set(grads) == {"a.weight"}
+    client_update(grads, {"a.weight": torch.tensor([0.0, 0.0])}, {"a.weight": torch.tensor([1.0, 1.0])}, 0.1)
+    assert torch.allclose(grads["a.weight"], torch.tensor([-0.3, 0.0]))  # kept between rounds: it accumulates
+    # per-tier tensors (key@tier) are parameters or statistics by their name before the "@"
+    assert is_parameter("layer1.0.bn1.weight@g0.2") and is_parameter("fc.bias@g1") and is_parameter("conv1.weight")
+    assert not is_parameter("layer1.0.bn1.running_mean@g0.2") and not is_parameter("layer1.0.step@g0.2")
+    # a statistic before a parameter in holders: the parameter is still moved
+    h2 = {}
+    new2 = server_update(h2, old, avg, {"bn.running_mean": 2, "a.weight": 2}, num_clients=4, alpha=0.5)
+    assert set(h2) == {"a.weight"} and torch.equal(new2["a.weight"], torch.tensor([2.0 + 0.5 * 2 / 4 * 2.0 / 0.5, 2.0]))  # h = -0.5
     net = nn.Linear(2, 2, bias=False)
     base = SubmodelLocal(net)
     local = FedDynLocal(base, {"weight": net.weight}, {"weight": torch.full((2, 2), 0.5)}, alpha=2.0)
@@ -190,6 +199,39 @@ def test_feddyn_client_and_server_updates_by_hand():
         net.weight.add_(0.1)
         expected = base.loss(x, y)[0] - 0.5 * float(net.weight.sum()) + 2.0 / 2 * 4 * 0.1**2
         assert float(local.loss(x, y)[0]) == pytest.approx(float(expected), rel=1e-6)
+        assert torch.equal(local(x), base(x))  # the regulariser changes the loss, not the function
+
+
+def test_feddyn_server_term_counts_only_the_replies_it_accepted():
+    """DepthFL (its paper's) with FedDyn, 3 clients in the round, one reply an error: the
+    server's h moves by alpha * 2/3 of the average's change (n = 2 replies held the tensor, of
+    M = 3 clients), and the new global tensor is the average minus h / alpha."""
+    import dataclasses
+
+    method = config("depthfl", method_args={"variant": "original"}).build_strategy()
+    assert method.settings.dynamic
+    torch.manual_seed(0)
+    state = method.init_global_state()
+    top = list(method.compiled.tiers)[-1]
+    entries = dict(method.entries(top))
+    base = SliceMap(entries).extract(state)
+    key = next(k for k in base if k.startswith("conv1") and k.endswith("weight"))  # the stem: in every prefix
+    target = entries[key].global_key
+    replies = {}
+    for cid, shift in enumerate((1.0, 3.0, 100.0)):
+        arrays = {k: v.clone() for k, v in base.items()}
+        arrays[key] += shift
+        replies[cid] = Reply(arrays, {}, num_samples=10, level=top)
+    replies[2] = dataclasses.replace(replies[2], error="out of memory")
+    method.num_clients = 3
+    alpha = method.settings.feddyn_alpha
+    result = method.aggregate_train(1, state, replies)
+    assert result.accepted == 2 and [cid for cid, _ in result.rejected] == [2]
+    change = 2.0  # the average of the two accepted shifts, 1 and 3
+    assert torch.allclose(method.h[target], torch.full_like(state[target], -alpha * 2 / 3 * change))
+    assert torch.allclose(result.state[target], state[target] + change + 2 / 3 * change)
+    untouched = next(k for k in state if k != target and k in method.h)
+    assert torch.equal(method.h[untouched], torch.zeros_like(state[untouched]))  # no change, no term
 
 
 # -- FedAvg ----------------------------------------------------------------------------------
