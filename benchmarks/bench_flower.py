@@ -192,7 +192,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--engines: unknown {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    work = Path(os.environ.get("BENCH_WORK") or tempfile.mkdtemp(prefix="bench-flower-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-flower-"))
     start_load = os.getloadavg()
     passes: dict[str, list[dict]] = {n: [] for n in names}
     for p in range(args.passes):  # A B C ... C B A: drift in the machine's load falls on every engine alike

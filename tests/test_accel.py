@@ -16,7 +16,7 @@ from cli.app import app
 from nefl_zoo.fl import batched
 from nefl_zoo.fl.batches import ordered_batches, shuffled_batches
 from nefl_zoo.fl.bn import recompute_bn
-from nefl_zoo.fl.client import fit
+from nefl_zoo.fl.client import fit, training_batches
 from nefl_zoo.fl.config import load_config, parse_config
 from nefl_zoo.fl.device import DeviceError, Placement, gpu_share, placed, resolve_device
 from nefl_zoo.fl.engine import Engine, resume_config
@@ -140,6 +140,24 @@ def test_an_epochs_small_last_batch_is_dropped_or_merged_without_moving_the_othe
     # an epoch that is one small batch is dropped, merged or not
     assert draw(n, min_batch=n + 1)[0] == [] and draw(n, min_batch=n + 1, merge=True)[0] == []
     assert [len(y) for y in draw(n, min_batch=n)[0]] == [n, n]
+
+
+def test_an_instruction_without_the_last_batch_rule_gets_the_configs_defaults(tmp_path):
+    """An instruction from a server that predates ``min_batch`` / ``last_batch`` trains as the
+    defaults say: here the 1-image last batch of a 33-image client is still dropped."""
+    engine = _engine(tmp_path)
+    instruction = next(iter(engine.strategy.configure_train(1, engine.strategy.init_global_state(), engine.clients).values()))
+    cid = next(c for c in range(engine.config.clients.num_clients) if len(engine.data.client_dataset(c)) % 32 == 1)
+    dataset, config = engine.data.client_dataset(cid), instruction.config
+    assert (config["min_batch"], config["last_batch"]) == (2, "drop")
+    older = {k: v for k, v in config.items() if k not in ("min_batch", "last_batch")}
+
+    def sizes(cfg):
+        with torch.random.fork_rng(devices=[]):
+            return [len(y) for _, y in training_batches(dataset, cfg, torch.device("cpu"))]
+
+    assert sizes(older) == sizes(config) == [32] * int(config["local_epochs"])
+    assert sizes({**config, "min_batch": 1}) == [32, 1] * int(config["local_epochs"])
 
 
 def _reference_fit(local, dataset, config) -> dict[str, torch.Tensor]:

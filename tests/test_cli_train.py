@@ -75,6 +75,7 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path):
         ["compare", QUICK, "--methods", "nefl,bogus"],
         ["train", QUICK, "--threads", "0"],
         ["compare", QUICK, "--seeds", "0"],
+        ["train", QUICK, "--set", "train.batch_size=1"],  # min_batch 2 would drop every batch
         ["clientapp"],  # neither --insecure nor --root-certificates
         ["clientapp", "--insecure", "--poll", "0"],
         ["clientapp", "--root-certificates", str(tmp_path / "missing.crt")],

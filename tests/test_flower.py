@@ -36,6 +36,34 @@ def test_node_levels_from_node_config():
             node_levels(bad, (), TIERS)
 
 
+def test_a_node_builds_the_method_and_its_data_at_setup_not_in_its_first_round(server_identity, caplog):
+    import json
+    import logging
+
+    from flwr.app import ConfigRecord, MessageType
+
+    from nefl_zoo.fl.flower import client as flower_client
+    from nefl_zoo.fl.flower.nodes import NODE, SETUP
+
+    def setup(run: str, config_json: str):
+        context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 4}, state=RecordDict(),
+                          run_config={})
+        message = Message(RecordDict({SETUP: ConfigRecord({"run": run, "config": config_json})}), 7, MessageType.QUERY)
+        return client_app(message, context)
+
+    flower_client._method.cache_clear()
+    reply = setup("run-1", json.dumps(tiny().to_dict()))
+    assert dict(reply.content.config_records[NODE]) == {"partition-id": 1, "num-partitions": 4}
+    assert flower_client._method.cache_info().currsize == 1  # built while the setup was answered
+    # a configuration the node cannot build: the setup is still answered (its first message will
+    # fail and report why), and the node's log says so
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.flower.client"):
+        reply = setup("run-2", json.dumps({**tiny().to_dict(), "method": "bogus"}))
+    assert not reply.has_error() and dict(reply.content.config_records[NODE])["partition-id"] == 1
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["run run-2 could not be set up on this node (its first message will fail)"]
+    assert flower_client._method.cache_info().currsize == 1
+
+
 class InProcessGrid:
     """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp right
     away with its node's Context (no Ray, no processes). ``faults`` maps a node id to a function

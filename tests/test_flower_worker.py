@@ -208,6 +208,7 @@ def test_a_new_fab_drops_the_previous_fabs_modules(tmp_path, monkeypatch):
 
     monkeypatch.setattr(worker, "get_project_dir", project_dir)
     monkeypatch.setattr("flwr.clientapp.utils.get_project_dir", project_dir)
+
     def install(content, skip_prompt):
         installed.append((content, skip_prompt))
         _fab_folder(tmp_path / "fab-c", 2)
@@ -233,3 +234,20 @@ def test_a_new_fab_drops_the_previous_fabs_modules(tmp_path, monkeypatch):
     finally:
         sys.modules.pop("probe_app", None)
         sys.path[:] = [p for p in sys.path if not p.startswith(str(tmp_path))]
+
+
+def test_forgetting_a_fab_keeps_the_modules_of_a_folder_that_only_shares_its_prefix(tmp_path, monkeypatch):
+    for name in ("fab-a", "fab-ab"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name.replace('-', '_')}_mod.py").write_text("X = 1\n")
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+    import fab_a_mod  # noqa: F401
+    import fab_ab_mod  # noqa: F401
+
+    try:
+        worker._Apps._forget(tmp_path / "fab-a")
+        assert "fab_a_mod" not in sys.modules and str(tmp_path / "fab-a") not in sys.path
+        assert "fab_ab_mod" in sys.modules and str(tmp_path / "fab-ab") in sys.path
+    finally:
+        sys.modules.pop("fab_a_mod", None)
+        sys.modules.pop("fab_ab_mod", None)

@@ -83,38 +83,33 @@ def shuffled_batches(dataset: Dataset, batch_size: int, seed: int, epochs: int =
         images, indices, pad = resident
         n = len(indices) if indices is not None else len(images)
     count = -(-n // batch_size)
-    rule = _LastBatch(count, n - (count - 1) * batch_size if count else 0, min_batch, merge)
+    small = count > 0 and n - (count - 1) * batch_size < min_batch  # the epoch's last batch is below min_batch
     if resident is None:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator)
         for _ in range(epochs):
-            yield from rule.apply((x.to(device), y.to(device)) for x, y in loader)
+            yield from _last_batch_rule(((x.to(device), y.to(device)) for x, y in loader), count, small, merge)
         return
     for _ in range(epochs):
         torch.empty((), dtype=torch.int64).random_(generator=generator)  # the DataLoader's per-epoch base seed
         order = torch.randperm(n, generator=generator)
         torch.randperm(n, generator=generator)  # RandomSampler draws (and drops) one more at the epoch's end
-        yield from rule.apply(_gather(images, device, indices[part] if indices is not None else part, pad)
-                              for part in order.split(batch_size))
+        parts = (_gather(images, device, indices[part] if indices is not None else part, pad) for part in order.split(batch_size))
+        yield from _last_batch_rule(parts, count, small, merge)
 
 
-class _LastBatch:
-    """What becomes of an epoch's last batch: kept, dropped or merged into the one before; the
-    epoch's batch count and last batch size are known in advance, so no batch is drawn early."""
-
-    def __init__(self, count: int, last_size: int, min_batch: int, merge: bool):
-        self.count, self.small = count, last_size < min_batch
-        self.merge = merge and count > 1
-
-    def apply(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        held = None
-        for i, batch in enumerate(batches):
-            if self.small and self.merge and i == self.count - 2:
-                held = batch
-            elif self.small and i == self.count - 1:
-                if held is not None:
-                    yield torch.cat((held[0], batch[0])), torch.cat((held[1], batch[1]))
-            else:
-                yield batch
+def _last_batch_rule(batches: Iterator[Batch], count: int, small: bool, merge: bool) -> Iterator[Batch]:
+    """One epoch's ``count`` batches with its last one, when ``small``, merged into the one
+    before (``merge``, and there is one) or dropped; the count is known in advance, so no batch
+    is drawn early."""
+    held = None
+    for i, batch in enumerate(batches):
+        if small and merge and i == count - 2:
+            held = batch
+        elif small and i == count - 1:
+            if held is not None:
+                yield torch.cat((held[0], batch[0])), torch.cat((held[1], batch[1]))
+        else:
+            yield batch
 
 
 def ordered_batches(dataset: Dataset, batch_size: int, device: torch.device | str = "cpu") -> Iterator[Batch]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 TaskSource = Literal["mnist", "fashionmnist", "svhn", "cifar10"]  # datasets ``dataset: tasks`` reads (:mod:`.multidata`)
@@ -107,6 +107,13 @@ class TrainConfig(Strict):
     parallel_clients: int = Field(
         1, ge=1, description="clients of one submodel trained together (torch.func.vmap over stacked weights); 1: one at a time"
     )
+
+    @model_validator(mode="after")
+    def _min_batch_within_a_batch(self) -> "TrainConfig":
+        if self.min_batch > self.batch_size:
+            raise ValueError(f"min_batch {self.min_batch} is above batch_size {self.batch_size}, so every batch would "
+                             f"be dropped; use a min_batch of at most {self.batch_size} (1 keeps every batch)")
+        return self
 
     @field_validator("device")
     @classmethod

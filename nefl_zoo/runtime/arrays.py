@@ -21,10 +21,10 @@ class ArrayFileError(ValueError):
     """Bytes that are not a well-formed safetensors file (the message is one line)."""
 
 
-def parse_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``(arrays, metadata)`` of a safetensors file's bytes; :class:`ArrayFileError` naming
-    what is wrong (a header that is not JSON, an unknown dtype, byte ranges that overlap, leave
-    gaps, run past the end or do not match the shape)."""
+def parse_header(data: bytes) -> tuple[dict, dict[str, str], int]:
+    """``(tensor entries, metadata, offset of the data bytes)`` of a safetensors file's bytes,
+    without reading the tensors; :class:`ArrayFileError` when the header is missing, runs past
+    the end or is not a JSON object with string metadata."""
     if len(data) < 8:
         raise ArrayFileError("shorter than the 8-byte header length")
     size = int.from_bytes(data[:8], "little")
@@ -39,7 +39,15 @@ def parse_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ArrayFileError("__metadata__ must map names to strings")
-    body = memoryview(data)[8 + size :]
+    return header, metadata, 8 + size
+
+
+def parse_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``(arrays, metadata)`` of a safetensors file's bytes; :class:`ArrayFileError` naming
+    what is wrong (a header that is not JSON, an unknown dtype, byte ranges that overlap, leave
+    gaps, run past the end or do not match the shape)."""
+    header, metadata, start = parse_header(data)
+    body = memoryview(data)[start:]
     arrays, ranges = {}, []
     for name, info in header.items():
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 import typing
 from typing import Any, Mapping, TypeVar
 
@@ -27,19 +26,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ...runtime.arrays import ArrayFileError, parse_header
 from ..strategy import Instruction, Reply, State
 
 SCALARS, CLIENT, RUN = "nefl.fields", "nefl.client", "nefl.run"  # record names beside the fields'
 PACKED, STYPE, ORDER = "tensors", "nefl.safetensors", "nefl.order"  # the one array of a tensor record
 T = TypeVar("T", Instruction, Reply)
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of safetensors bytes (its JSON header, read without the tensors)."""
-    if len(data) < 8:
-        raise ValueError("tensor record too short for safetensors")
-    (size,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + size]).get("__metadata__") or {}
 
 
 def to_array_record(state: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -59,10 +51,10 @@ def to_state(record: ArrayRecord) -> State:
     if array is None or array.stype != STYPE:
         raise ValueError(f"not a nefl-zoo tensor record (one {STYPE!r} array named {PACKED!r}): {sorted(record)}")
     data = bytes(array.data)
-    order = json.loads(_metadata(data).get(ORDER, "[]"))
     try:
+        order = json.loads(parse_header(data)[1].get(ORDER, "[]"))
         tensors = load_tensors(data)
-    except SafetensorError as exc:
+    except (ArrayFileError, SafetensorError) as exc:
         raise ValueError(f"the tensor record does not decode: {exc}") from None
     if sorted(order) != sorted(tensors):
         raise ValueError("the tensor record's order does not name its tensors")

@@ -62,10 +62,10 @@ class _Apps:
 
     @staticmethod
     def _forget(folder: Path) -> None:
-        inside = str(folder.resolve())
+        inside = folder.resolve()
         for name, module in list(sys.modules.items()):
             path = getattr(module, "__file__", None)
-            if path and str(Path(path).resolve()).startswith(inside):
+            if path and Path(path).resolve().is_relative_to(inside):
                 del sys.modules[name]
         sys.path[:] = [p for p in sys.path if p != str(folder.absolute())]
 
