@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from nefl_zoo.datasets import NORMALIZATION
+from nefl_zoo.datasets import NORMALIZATION, normalization
 
 from .console import console, json_option, print_json, stdout_to_stderr
 from .errors import Choice, fail, guarded, require_budget, require_positive, user_errors
@@ -157,7 +157,7 @@ def _calibration_images(folder: Path, shape, dataset: str | None):
     """The images of ``--calibration FOLDER``, normalised as the manifest will say."""
     from nefl_zoo.images import image_files, load_images
 
-    norm = NORMALIZATION.get(dataset) if dataset else None
+    norm = normalization(dataset, shape[0]) if dataset else None
     try:
         return load_images(image_files(folder), shape, *(norm or (None, None)))
     except ValueError as exc:

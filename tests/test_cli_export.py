@@ -90,7 +90,7 @@ def test_export_with_a_fixed_batch(spec_file, tmp_path, image):
     "args, message",
     [
         (["--tiers", "g0.25,huge"], "unknown tier 'huge'; tiers: g0.25, g0.5, g1"),
-        (["--dataset", "mnist"], "--dataset: expected cifar10, cifar100, svhn, cinic10 or imagefolder, got 'mnist'"),
+        (["--dataset", "digits"], "--dataset: expected cifar10, cifar100, svhn, cinic10, imagefolder, mnist, fashionmnist, kmnist or emnist, got 'digits'"),
         (["--batch", "0"], "--batch: must be >= 1"),
         (["--opset", "17"], "opset: the torch.export-based exporter writes opset 18 or later, got 17"),
     ],

