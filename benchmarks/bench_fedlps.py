@@ -9,8 +9,9 @@ pruning ratio, trained predictor parameters (and their share of the unpruned pre
 a client sends up per round, and the forward MACs of one image through the encoder and the
 pruned predictors of all tasks against one full model per task (fvcore).
 
-Run: ``python benchmarks/bench_fedlps.py [--seeds 3] [--pretrain-epochs 30] [--out runs/bench-fedlps]
-[--set K=V ...]``.
+Run: ``python benchmarks/bench_fedlps.py [--config CONFIG] [--seeds 3] [--pretrain-epochs 30]
+[--out runs/bench-fedlps] [--set K=V ...]``; ``--config specs/train/folders-fedlps.yaml`` with
+overrides runs the paper's tasks from folders (benchmarks/README.md, "FedLPS's MNIST task").
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     from nefl_zoo.fl.methods.fedlps import pretrain_backbone
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=CONFIG, help="a FedLPS training config (default: digits-fedlps.yaml)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--pretrain-epochs", type=int, default=30)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedlps")
@@ -46,31 +48,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = load_config(CONFIG, args.overrides)
+    base = load_config(args.config, args.overrides)
     runs: dict[str, list[dict]] = {"random": [], "pretrained": []}
     pretrain: list[tuple[float, float]] = []
     for s in range(args.seeds):
         seed = base.seed + s
-        config = load_config(CONFIG, [*args.overrides, f"seed={seed}"])
+        config = load_config(args.config, [*args.overrides, f"seed={seed}"])
         weights = args.out / f"backbone-s{seed}.safetensors"
         start = time.perf_counter()
         accuracy = pretrain_backbone(config, args.pretrain_epochs, weights)
         pretrain.append((accuracy, time.perf_counter() - start))
         for kind, extra in (("random", ["method_args.pretrained=none"]), ("pretrained", [f"method_args.pretrained={weights}"])):
-            cfg = load_config(CONFIG, [*args.overrides, f"seed={seed}", *extra])
+            cfg = load_config(args.config, [*args.overrides, f"seed={seed}", *extra])
             start = time.perf_counter()
             engine = Engine(cfg, args.out / kind / f"seed{seed}")
             result = engine.run(overwrite=True)
             elapsed = time.perf_counter() - start
             # the same global state evaluated with the averaged BN statistics (the paper as written)
-            averaged = load_config(CONFIG, [*args.overrides, f"seed={seed}", *extra, "eval.bn=running"])
+            averaged = load_config(args.config, [*args.overrides, f"seed={seed}", *extra, "eval.bn=running"])
             acc_averaged = averaged.build_strategy().evaluate(cfg.rounds, engine.state, engine.data)
             runs[kind].append({"acc": result.acc, "acc_averaged_bn": acc_averaged, "time_s": elapsed,
                                "bytes_up": result.bytes_up, "bytes_down": result.bytes_down})
 
     strategy = base.build_strategy()
     tasks = strategy.tasks
-    print(f"FedLPS on digits ({base.rounds} rounds, {base.clients.num_clients} clients x {base.clients.fraction}, "
+    print(f"FedLPS on {base.data.dataset if base.data.dataset != 'tasks' else '+'.join(base.data.task_datasets)} ({base.rounds} rounds, {base.clients.num_clients} clients x {base.clients.fraction}, "
           f"E = {base.train.local_epochs}, lr {base.train.lr}, {base.spec if isinstance(base.spec, str) else base.submodel_spec().model}, "
           f"encoder: stem + {strategy.num_encoder_blocks} of {strategy.num_encoder_blocks + len(strategy.block_keys)} blocks), "
           f"{args.seeds} seed(s); accuracy (%) of the global task predictors on the test split, mean ± std.\n")

@@ -126,7 +126,7 @@ def test_heterofl_static_bn_and_scaler():
 
 
 def test_heterofl_scales_hidden_linear_outputs_but_not_the_classifier():
-    """HeteroFL's scaler on an MLP (its own MLP and transformer scale linear layers too): the
+    """HeteroFL's scaler on an MLP (HeteroFL's transformer scales its linear layers too): the
     hidden layer's output is divided by the rate in training, the classifier's is not."""
     import nefl_zoo as nz
 

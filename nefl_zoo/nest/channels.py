@@ -58,7 +58,7 @@ class Channels:
         self.quantum: list[tuple[torch.Tensor, int]] = []  # ids whose kept count must be a multiple of q
         self.convs: dict[str, tuple[int, int]] = {}  # grouped conv weight key -> (groups, in channels)
         self.norm_groups: dict[str, int] = {}  # GroupNorm weight key -> channels per group
-        self.channel_views: list[tuple[str, torch.Tensor]] = []  # views that split the channels (shuffle)
+        self.channel_views: list[tuple[str, torch.Tensor]] = []  # (what, ids): views that need all these ids
         self.parts: list[list[torch.Tensor]] = []  # the parts of every channel split
         self.channel_stats: list[str] = []  # where statistics over channels are taken (not zero-exact)
         self.fixed: set[int] = set()  # ids that must stay (input and output channels)
@@ -119,12 +119,19 @@ def _meta_args(args):
     return torch.utils._pytree.tree_map(meta_like, args)
 
 
-def analyse(gm: torch.fx.GraphModule, example: torch.Size) -> Channels:
-    """Run ``gm`` (on the meta device) on id tensors for an input of shape ``example``."""
+class ShapeError(NestError):
+    """An operation of the network failed on the analysis's input (its shapes may depend on the size)."""
+
+
+def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channels:
+    """Run ``gm`` (on the meta device) on id tensors for an input of shape ``example``; an
+    operation that fails is a :class:`ShapeError` naming ``model`` and the node."""
     import torch.fx as fx
 
     ch = Channels()
     params = dict(gm.named_parameters()) | dict(gm.named_buffers())
+    for n in gm.graph.nodes:  # from an analysis at another size
+        n.meta.pop("nest_view", None), n.meta.pop("nest_cut", None)
 
     class Interp(fx.Interpreter):
         def run_node(self, n):
@@ -139,8 +146,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size) -> Channels:
             except NestError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                raise NestError(f"{n.name} ({op_name(n) if n.op.startswith('call_f') or n.op == 'call_method' else n.target}): "
-                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
+                raise ShapeError(f"{model}: {n.name} ({op_name(n) if n.op.startswith('call_f') or n.op == 'call_method' else n.target}): "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
 
         def placeholder(self, target, args, kwargs):
             ids = spread(ch.new("input", example[1]), example)
@@ -190,14 +197,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size) -> Channels:
             if name in MOVE or not tensors:
                 args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # ids are often broadcast views: view() needs real strides
                 out = target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], target)(*args[1:], **kwargs)
-                x = args[0]
-                if (name in ("view", "reshape", "unflatten") and isinstance(out, torch.Tensor) and x.ndim >= 3
-                        and out.ndim > x.ndim and out.shape[1] * out.shape[2] == x.shape[1] and varies(x, 1)):
-                    ch.channel_views.append((n.name, channel_vector(x, 1, where)))
-                if name in ("chunk", "split", "split_with_sizes") and isinstance(x, torch.Tensor) and x.ndim >= 2:
-                    changed = {d for o in out for d in range(x.ndim) if o.shape[d] != x.shape[d]}
-                    if changed == {1} and varies(x, 1):  # a channel split: each part nests on its own
-                        ch.parts.append([channel_vector(o, 1, where) for o in out])
+                if isinstance(args[0], torch.Tensor) and args[0].ndim >= 1:
+                    moved(n, name, args, kwargs, out, where)
                 return out
             x = tensors[0]
             if name in BINARY:
@@ -245,6 +246,44 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size) -> Channels:
             if name in ("softmax", "log_softmax") and not varies(x, (args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim):
                 return x
             raise NestError(f"{where}: an operation nesting does not know")
+
+    def moved(n, name, args, kwargs, out, where):
+        """Record what a view or selection does to channels: a view that splits them into several
+        dimensions (refused when narrowed), a channel count written into a view's shape and a
+        selection along the channels (both re-cut when the tier is built)."""
+        x = args[0]
+        if name in ("view", "reshape", "unflatten") and isinstance(out, torch.Tensor):
+            before = [d for d in range(x.ndim) if varies(x, d)]
+            after = [d for d in range(out.ndim) if varies(out, d)]
+            if before and len(after) > len(before):
+                kind = "(channel shuffle)" if before == [1] and after[:2] == [1, 2] else "into several dimensions (heads)"
+                ch.channel_views.append((f"{n.name}: a view that splits the channels {kind}", x[x >= 0].unique()))
+            elif len(after) == 1 and name != "unflatten":
+                shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
+                if len(shape) == out.ndim and isinstance(shape[after[0]], int) and shape[after[0]] >= 0:
+                    n.meta["nest_view"] = (after[0], channel_vector(out, after[0], where))
+        elif name in ("chunk", "split", "split_with_sizes", "narrow"):
+            d = (args[1] if name == "narrow" else args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+            if varies(x, d):  # a channel split: each part nests on its own
+                n.meta["nest_cut"] = (d, channel_vector(x, d, where))
+                if name != "narrow":
+                    ch.parts.append([channel_vector(o, d, where) for o in out])
+        elif name == "getitem" and isinstance(x, torch.Tensor):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            dims = sum(1 for i in index if i is not None and i is not Ellipsis)
+            d = 0
+            for p, i in enumerate(index):
+                if i is Ellipsis:
+                    d += x.ndim - dims
+                    continue
+                if i is not None and d < x.ndim and varies(x, d) and not (isinstance(i, slice) and i == slice(None)):
+                    if not isinstance(i, slice):
+                        ch.channel_views.append((f"{n.name}: an index that picks channels by position", channel_vector(x, d, where)))
+                    elif i.step not in (None, 1):
+                        raise NestError(f"{where}: a strided channel slice")
+                    else:
+                        n.meta["nest_cut"] = (p, channel_vector(x, d, where))
+                d += i is not None
 
     def native_meta(target, args, kwargs, op):
         margs, mkw = _meta_args(args), _meta_args(kwargs)
@@ -298,7 +337,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size) -> Channels:
     try:
         out = Interp(gm).run(torch.empty(example, device="meta"))
     except NestError as exc:  # fx appends the node's code on further lines
-        raise NestError(str(exc).split("\n")[0]) from None
+        raise type(exc)(str(exc).split("\n")[0]) from None
     for leaf in torch.utils._pytree.tree_leaves(out):
         if isinstance(leaf, torch.Tensor):
             ch.fixed.update(int(i) for i in leaf.unique().tolist() if i >= 0)

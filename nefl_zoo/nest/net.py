@@ -18,7 +18,7 @@ from ..models.args import ImageSize, ModelArgs
 from ..models.base import Index, NestedNet, resolve_steps
 from ..models.registry import ModelInfo, UnknownModelError
 from .plan import NestPlan, cached_plan
-from .slim import build_graph
+from .slim import build_graph, dry_run
 from .sources import NestError, Source, exists, library_source
 
 
@@ -124,7 +124,12 @@ def build_tier(source_key: tuple, make_source: Callable[[], Source], in_chans: i
         steps = resolve_steps(steps, plan.stage_depths)
         keep = plan.keep(gamma_w, channel_multiple)
         plan.check_groups(keep)
+        plan.check_widths(keep, gamma_w, channel_multiple)
         gm, where = build_graph(plan, keep, steps, device)
+        tier = (hash(keep.numpy().tobytes()), str(steps))
+        if device.type != "meta" and tier not in plan.tried:  # a tier with data: its forward must run
+            dry_run(gm, (2, in_chans, img_size, img_size), plan.source.name)
+            plan.tried.add(tier)
     for key, index in where.items():
         if index:
             shape = tuple(i.stop - (i.start or 0) if isinstance(i, slice) else len(i) for i in index)

@@ -8,7 +8,9 @@ convolution): a narrower tier's channels are a prefix of a wider tier's. A chann
 (``split``/``chunk``) cuts a group into parts, each nested the same way on its own. Groups holding
 input or output channels keep them all. A tensor dimension that mixes groups (a concatenation, a flatten
 into a linear layer) keeps a non-prefix set of positions, which the slice map records as an
-index tensor.
+index tensor. A tier that would leave a layer no channel (a group that a concatenation ties
+together nests its newest layer's channels last) is refused, naming the least gamma_W that works.
+The analysis runs at ``ANALYSIS_SIZE`` or less, else at ``img_size`` where shapes depend on it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.base import scale_width
-from .channels import Channels, analyse
+from .channels import Channels, ShapeError, analyse
 from .residual import Block, find_blocks
 from .sources import NestError, Source, construct, trace
 
-ANALYSIS_SIZE = 128  # largest input height/width analysed (channels do not depend on it)
+ANALYSIS_SIZE = 128  # largest input height/width analysed first (img_size where shapes depend on it)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class NestPlan:
     param_shapes: dict[str, tuple[int, ...]]  # every parameter of the full network (steps excluded)
     analysis_s: float
     index_cache: dict = field(default_factory=dict)
+    tried: set = field(default_factory=set)  # tiers (kept ids, steps) whose first forward ran on meta
 
     @property
     def stage_depths(self) -> tuple[int, ...]:
@@ -78,12 +81,33 @@ class NestPlan:
             out.append(slice(0, len(pos)) if torch.equal(pos, torch.arange(len(pos))) else pos)
         return tuple(out)
 
+    def _empty(self, keep: torch.Tensor) -> tuple[str, int] | None:
+        """The first state entry with a dimension that channels reach but ``keep`` leaves empty."""
+        for key, dims in self.dims.items():
+            for ids in dims:
+                if ids is not None and len(ids) and not bool(keep[ids].any()):
+                    return key, len(ids)
+        return None
+
+    def check_widths(self, keep: torch.Tensor, gamma_w: float, multiple: int) -> None:
+        """No dimension that channels reach is left without any (a layer of zero width): else
+        refused, naming the tensor and the least gamma_W (0.01 grid) that leaves none empty."""
+        empty = self._empty(keep)
+        if empty is None:
+            return
+        lo, hi = math.floor(gamma_w * 100), 100
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._empty(self.keep(mid / 100, multiple)) is None else (mid, hi)
+        raise NestError(f"{empty[0]}: gamma_W {gamma_w} keeps none of its {empty[1]} channels (its channel group "
+                        f"nests them last); the least gamma_W that keeps some of every layer is {hi / 100}")
+
     def check_groups(self, keep: torch.Tensor) -> None:
         """Kept channels of every grouped convolution are whole leading groups, and no view
         splits narrowed channels (a channel shuffle mixes them across the split)."""
-        for name, vec in self.channels.channel_views:
-            if not bool(keep[vec].all()):
-                raise NestError(f"{name}: a view that splits the channels (channel shuffle) of narrowed channels")
+        for what, ids in self.channels.channel_views:
+            if not bool(keep[ids].all()):
+                raise NestError(f"{what} of narrowed channels")
         for key, (groups, cin) in self.channels.convs.items():
             if cin == groups:  # depthwise: any kept set
                 continue
@@ -144,17 +168,46 @@ def _groups(ch: Channels, roots: torch.Tensor):
 
 
 def make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
-    """Trace ``source`` on the meta device and analyse its channels and residual blocks."""
-    start = time.perf_counter()
-    with torch.device("meta"):
-        model = construct(source)
-    gm = trace(source, model)
-    size = min(img_size, ANALYSIS_SIZE)
-    ch = analyse(gm, torch.Size((1, in_chans, size, size)))
+    """Trace ``source`` on the meta device and analyse its channels and residual blocks; any
+    error is one line naming the model."""
+    try:
+        return _make_plan(source, in_chans, img_size)
+    except NestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever building the network on the meta device does
+        raise NestError(f"{source.name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]) from None
+
+
+def _fixed_size(source: Source, model) -> int | None:
+    """The input size a network requires: timm's ``fixed_input_size`` models, torchvision's ViTs."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    if cfg.get("fixed_input_size") and cfg.get("input_size"):
+        return cfg["input_size"][-1]
+    size = getattr(model, "image_size", None) if source.name.startswith("torchvision:") else None
+    return size if isinstance(size, int) else None
+
+
+def _analysed(gm, source: Source, in_chans: int, img_size: int, fixed: int | None):
+    """The channel analysis and every state entry's ids, at ``ANALYSIS_SIZE`` (or less), else
+    at ``img_size`` where a network's shapes depend on the size; a fixed-size network (timm's
+    ``fixed_input_size``) only at its own size."""
+    if fixed and fixed != img_size:
+        raise NestError(f"{source.name}: a network of fixed input size {fixed} (position embeddings or windows), "
+                        f"but img_size {img_size}")
+    sizes = list(dict.fromkeys([fixed or min(img_size, ANALYSIS_SIZE), img_size]))
+    for size in sizes:
+        try:
+            ch = analyse(gm, torch.Size((1, in_chans, size, size)), source.name)
+            return size, ch, _state_dims(gm, ch)
+        except ShapeError:
+            if size == sizes[-1]:
+                raise
+
+
+def _state_dims(gm, ch: Channels) -> dict[str, list[torch.Tensor | None]]:
     roots = ch.roots()
-    state = dict(gm.state_dict())
     dims = {}
-    for key, value in state.items():
+    for key, value in gm.state_dict().items():
         spec = ch.dims.get(key)
         if spec == ["elements"]:
             base = next(b for name, b, _ in ch.spaces if name == key)
@@ -162,9 +215,20 @@ def make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
         elif spec is not None:
             for d, ids in enumerate(spec):
                 if ids is not None and len(ids) != value.shape[d]:
-                    raise NestError(f"{key}: dimension {d} has {value.shape[d]} entries but {len(ids)} channels reach "
-                                    "it (a flatten whose size depends on the input size)")
+                    raise ShapeError(f"{key}: dimension {d} has {value.shape[d]} entries but {len(ids)} channels reach "
+                                     "it (a flatten whose size depends on the input size)")
             dims[key] = spec
+    return dims
+
+
+def _make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = construct(source)
+    fixed = _fixed_size(source, model)
+    gm = trace(source, model)
+    size, ch, dims = _analysed(gm, source, in_chans, img_size, fixed)
+    roots = ch.roots()
     group_of, group_classes = _groups(ch, roots)
     quantum = [1] * len(group_classes)
     for vec, q in ch.quantum:

@@ -1,5 +1,6 @@
 """Build one tier of a plan: step sizes inserted, skipped blocks cut out of the graph, every
-tensor cut to its kept channels and every layer told its new widths."""
+tensor cut to its kept channels, every layer told its new widths, channel counts written into
+the graph re-cut; a tier with data runs once on meta tensors first (:func:`dry_run`)."""
 
 from __future__ import annotations
 
@@ -115,49 +116,49 @@ def _patch_functions(gm: torch.fx.GraphModule, plan: NestPlan) -> None:
             raise NestError(f"{n.name}: functional group norm (nesting needs nn.GroupNorm)")
 
 
-SELECTIONS = {"chunk", "split", "split_with_sizes", "getitem", "narrow"}
-
-
-def _dim(n, position: int, default: int) -> int:
-    value = n.args[position] if len(n.args) > position else n.kwargs.get("dim", default)
-    return value % len(n.args[0].meta["nest_shape"])
+def _kept(keep: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``ids`` stays in the tier (``-1``, no single channel, always does)."""
+    return keep[ids.clamp(min=0)] | (ids < 0)
 
 
 def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
     """Channel selections written into the graph as constants (``chunk``, ``split``, a slice
-    ``x[:, a:b]``, ``narrow``) cut where the full graph cuts, counted in kept channels."""
+    ``x[:, a:b]``, ``narrow``) cut where the full graph cuts, counted in kept channels, and
+    channel counts written into a view's shape set to the kept count."""
     from .channels import op_name
 
     for n in list(gm.graph.nodes):
-        name = op_name(n) if n.op in ("call_function", "call_method") else ""
-        src = n.args[0] if name in SELECTIONS and n.args else None
-        if not hasattr(src, "meta") or len(src.meta.get("nest_shape", ())) < 2 or "nest_ids" not in src.meta:
+        if "nest_view" in n.meta:
+            d, ids = n.meta["nest_view"]
+            packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))  # view(x, (a, b)) or view(x, a, b)
+            sizes = list(n.args[1] if packed else n.args[1:])
+            sizes[d] = int(_kept(keep, ids).sum())
+            n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
+        if "nest_cut" not in n.meta:
             continue
-        kept = keep[src.meta["nest_ids"]].long()
-        total = len(kept)
+        name, src = op_name(n), n.args[0]
+        d, ids = n.meta["nest_cut"]
+        kept = _kept(keep, ids).long()
         before = lambda i: int(kept[:i].sum())  # noqa: E731 - kept channels before full position i
         if name == "getitem":
-            index = n.args[1]
-            if not (isinstance(index, tuple) and len(index) > 1 and isinstance(index[1], slice)):
-                continue
-            start, stop, step = index[1].indices(total)
-            if step != 1:
-                raise NestError(f"{n.name}: a strided channel slice")
-            n.args = (src, (index[0], slice(before(start), before(stop)), *index[2:]))
-        elif name == "narrow" and n.args[1] % len(src.meta["nest_shape"]) == 1:
+            index = list(n.args[1]) if isinstance(n.args[1], tuple) else [n.args[1]]
+            start, stop, _ = index[d].indices(len(kept))
+            index[d] = slice(before(start), before(stop))
+            n.args = (src, tuple(index) if isinstance(n.args[1], tuple) else index[0])
+        elif name == "narrow":
             start, length = n.args[2], n.args[3]
-            n.args = (src, 1, before(start), before(start + length) - before(start))
-        elif name in ("chunk", "split", "split_with_sizes") and _dim(n, 2, 0) == 1:
+            n.args = (src, d, before(start), before(start + length) - before(start))
+        else:
             if name == "chunk":
-                sizes = [len(c) for c in torch.arange(total).chunk(n.args[1])]
+                sizes = [len(c) for c in torch.arange(len(kept)).chunk(n.args[1])]
             else:
-                sizes = n.args[1] if isinstance(n.args[1], (list, tuple)) else [len(c) for c in torch.arange(total).split(n.args[1])]
+                sizes = n.args[1] if isinstance(n.args[1], (list, tuple)) else [len(c) for c in torch.arange(len(kept)).split(n.args[1])]
             bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
             slim = [before(b) - before(a) for a, b in zip(bounds, bounds[1:])]
             if 0 in slim:
                 raise NestError(f"{n.name}: a channel {name} leaves a part without channels")
             n.target = torch.split if n.op == "call_function" else "split"
-            n.args, n.kwargs = (src, slim), {"dim": 1}
+            n.args, n.kwargs = (src, slim), {"dim": d}
 
 
 def build_graph(plan: NestPlan, keep: torch.Tensor, steps: list[list[float]], device: torch.device):
@@ -171,3 +172,38 @@ def build_graph(plan: NestPlan, keep: torch.Tensor, steps: list[list[float]], de
     patch_selections(gm, keep)
     gm.recompile()
     return gm, where
+
+
+def dry_run(gm: torch.fx.GraphModule, shape: tuple[int, ...], model: str) -> None:
+    """Run a tier once on meta tensors (no memory, no compute): a tier that would fail at its
+    first forward is refused when it is built, in one line naming the model and the node."""
+    from .channels import op_name
+
+    node = None
+
+    class Nodes(torch.fx.Interpreter):
+        def run_node(self, n):
+            nonlocal node
+            node = n
+            return super().run_node(n)
+
+    class Run(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, x):
+            return Nodes(self.gm).run(x)
+
+    state = {f"gm.{k}": torch.empty_like(v, device="meta") for k, v in [*gm.named_parameters(), *gm.named_buffers()]}
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        with torch.no_grad(), torch.device("meta"):
+            torch.func.functional_call(Run(), state, (torch.empty(shape),))
+    except Exception as exc:  # noqa: BLE001 - whatever the tier's first forward would raise
+        what = f"{node.name} ({op_name(node) if node.op in ('call_function', 'call_method') else node.target})" if node else "forward"
+        raise NestError(f"{model}: {what}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]) from None
+    finally:
+        for m, training in modes.items():
+            m.train(training)

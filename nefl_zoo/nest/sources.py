@@ -65,8 +65,12 @@ def construct(source: Source) -> nn.Module:
     """``source.make()`` on the current default device (meta: parameters only on meta)."""
     if torch.empty(0).device.type != "meta":
         return source.make()
-    with _parameters_on_meta():
-        return source.make().to("meta")  # a copied module (nest()) brings its own tensors
+    try:
+        with _parameters_on_meta():
+            return source.make().to("meta")  # a copied module (nest()) brings its own tensors
+    except Exception:  # noqa: BLE001 - a constructor that runs its layers (to size them) needs real tensors
+        with torch.device("cpu"):
+            return source.make().to("meta")
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -159,5 +163,5 @@ def trace(source: Source, model: nn.Module) -> torch.fx.GraphModule:
             return gm
         except Exception as exc:  # noqa: BLE001 - whatever the network's forward does with proxies
             text = str(exc).strip().splitlines()
-            error = f"torch.fx cannot trace it: {type(exc).__name__}: {text[0] if text else ''}"[:300]
+            error = f"{source.name}: torch.fx cannot trace it: {type(exc).__name__}: {text[0] if text else ''}"[:300]
     raise NestError(error)

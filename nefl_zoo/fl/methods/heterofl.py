@@ -17,7 +17,7 @@ _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 class _ScaledLocal(SubmodelLocal):
     """A slim submodel with static BN whose convolution and hidden linear outputs (every linear
-    layer but the classifier's, as HeteroFL's MLP and transformer scale theirs) are divided by the
+    layer but the classifier's, as HeteroFL's transformer scales its linear layers) are divided by the
     width rate in training; it uploads everything but the (untouched) BN running statistics."""
 
     def __init__(self, net: nn.Module, rate: float):
