@@ -201,7 +201,7 @@ def _train(row_key: str, lr: float, root: str, out: str) -> dict:
 
 def table(results: list[dict]) -> str:
     """Markdown: per row, the paper's rounds, ours at the best rate, the ratio, and every rate tried."""
-    lines = ["| model | E | B | partition | target | paper (C = 0.1) | ours | ours / paper | best lr | every lr: rounds (best accuracy) | CPU min |",
+    lines = ["| model | E | B | partition | target | paper (C = 0.1) | ours | ours / paper | best lr | every lr: rounds (best accuracy) | wall min, all rates |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, row in ROWS.items():
         runs = sorted((r for r in results if r["row"] == key), key=lambda r: r["lr"])

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 0.5}, {"name": "b"}]}
 
 
-@pytest.mark.parametrize("name", ["digits-quick", "digits-compare", "digits-fedgh", "digits-fedlps", "cifar10-iid-resnet18", "cifar10-noniid-resnet18"])
+@pytest.mark.parametrize("name", ["digits-quick", "digits-compare", "digits-fedgh", "digits-fedlps", "cifar10-iid-resnet18", "cifar10-noniid-resnet18",
+                                  "mnist-quick"])
 def test_shipped_configs_load(name):
     config = load_config(ROOT / "specs" / "train" / f"{name}.yaml")
     assert len(config.submodel_spec().tiers) == 5
@@ -24,6 +25,8 @@ def test_shipped_configs_load(name):
     if name == "digits-fedgh":  # the FedGH paper's setting: 2 label shards, 8:1:1 local splits
         assert (config.data.partition, config.data.shards_per_client, config.data.local_split) == ("shards", 2, (0.8, 0.1, 0.1))
         assert config.build_strategy().settings.rep_dim == 500 and config.eval.per_client
+    if name == "mnist-quick":  # MNIST's own images: one channel, 28x28
+        assert config.data.dataset == "mnist" and config.submodel_spec().model_args["img_size"] == 28
     if name == "digits-fedlps":  # the paper's levels: the largest tier unpruned, the smallest at 0.8
         assert config.build_strategy().rho == {"g1": 0.0, "g0.8": 0.2, "g0.6": 0.4, "g0.4": 0.6, "g0.2": 0.8}
 
