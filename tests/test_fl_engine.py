@@ -125,35 +125,6 @@ def test_heterofl_static_bn_and_scaler():
     assert acc["g0.25"] == evaluate(net, data.test) and set(acc) == {"g0.25", "g0.5", "g1", "running/g0.25", "running/g0.5", "running/g1"}
 
 
-def test_heterofl_scales_hidden_linear_outputs_but_not_the_classifier():
-    """HeteroFL's scaler on an MLP (HeteroFL's transformer scales its linear layers too): the
-    hidden layer's output is divided by the rate in training, the classifier's is not."""
-    import nefl_zoo as nz
-
-    class MLP(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(16, 8), torch.nn.Linear(8, 3)
-
-        def forward(self, x):
-            return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
-
-    name = nz.nest(MLP(), (2, 1, 4, 4), name="heterofl_scaler_mlp")
-    spec = {"model": name, "tiers": [{"name": "g0.25", "gamma_w": 0.25}, {"name": "g1", "gamma_w": 1.0}]}
-    method = tiny(method="heterofl", spec=spec).build_strategy()
-    state = method.init_global_state()
-    local = method.client_model("g0.25", {k: e.gather(state[e.global_key]).clone() for k, e in method.entries("g0.25").items()})
-    outputs = {}
-    for key in ("fc1", "fc2"):
-        local.net.get_submodule(key).register_forward_hook(lambda m, i, o, key=key: outputs.update({key: (i[0], o)}))
-    local.train()
-    local(torch.randn(5, 1, 4, 4))
-    for key, rate in (("fc1", 0.5), ("fc2", 1.0)):  # rate sqrt(0.25); the classifier unscaled
-        x, out = outputs[key]
-        layer = local.net.get_submodule(key)
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias) / rate)
-
-
 def test_fjord_narrow_width_trains_a_prefix_of_the_wide_tensors():
     method = tiny(method="fjord").build_strategy()
     assert method.assign(["g0.25", "g0.5", "g1"], random.Random(0)) == "g1"

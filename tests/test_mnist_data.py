@@ -162,7 +162,7 @@ def test_train_and_export_an_mnist_run_from_the_cli(tmp_path):
     assert result.exit_code == 2 and "MNIST/raw/{train,t10k}" in result.output
 
 
-@pytest.mark.parametrize("model", [*list_models(), "torchvision:resnet18"])
+@pytest.mark.parametrize("model", [*list_models(), "torchvision:resnet18", "timm:resnet18"])
 def test_every_model_path_takes_grey_28px_images(model):
     """``in_chans: 1, img_size: 28`` (the MNIST family) builds and runs a narrow tier of every zoo
     model and of an automatically nested one."""

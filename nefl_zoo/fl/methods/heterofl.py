@@ -16,17 +16,15 @@ _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class _ScaledLocal(SubmodelLocal):
-    """A slim submodel with static BN whose convolution and hidden linear outputs (every linear
-    layer but the classifier's, as HeteroFL's transformer scales its linear layers) are divided by the
-    width rate in training; it uploads everything but the (untouched) BN running statistics."""
+    """A slim submodel with static BN whose convolution outputs are divided by the width rate
+    in training; it uploads everything but the (untouched) BN running statistics."""
 
     def __init__(self, net: nn.Module, rate: float):
         super().__init__(net)
-        head = set(net.get_classifier().modules())
         for module in net.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.track_running_stats = False  # static BN: batch statistics only
-            if isinstance(module, (nn.Conv2d, nn.Linear)) and module not in head:
+            if isinstance(module, nn.Conv2d):
                 module.register_forward_hook(lambda m, i, out: out / rate if m.training else out)
 
     def state(self):
