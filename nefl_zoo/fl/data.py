@@ -2,12 +2,12 @@
 
 ``digits`` (scikit-learn's 1,797 real 8x8 digit images, bundled, so it works offline) is resized
 to the model's input; so is the MNIST family (MNIST, FashionMNIST, KMNIST, EMNIST, :mod:`.mnist`)
-read from ``root`` in torchvision's layout; both are held in memory. CIFAR-10/100 and SVHN are read from ``root`` in their standard formats with
-torchvision's loaders, CINIC-10 and any ``imagefolder`` from ``root/train`` and ``root/test``
-class folders. Training augmentation and normalisation follow the NeFL appendix: random crop
-(padding 4; SVHN 2) and horizontal flip (SVHN: colour jitter instead, digits and the MNIST
-family: crop only).
-Partitions (IID, Dirichlet label skew, label shards) are seeded.
+read from ``root`` in torchvision's layout; both are held in memory. CIFAR-10/100 and SVHN are
+read from ``root`` in their standard formats with torchvision's loaders, CINIC-10 and any
+``imagefolder`` from ``root/train`` and ``root/test`` class folders. Training augmentation and
+normalisation follow the NeFL appendix: random crop (padding 4; SVHN 2) and horizontal flip
+(SVHN: colour jitter instead, digits and the MNIST family: crop only). Partitions (IID,
+Dirichlet label skew, label shards) are seeded.
 """
 
 from __future__ import annotations

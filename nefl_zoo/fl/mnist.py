@@ -9,8 +9,7 @@ colour model, and normalised with the training set's statistics; so they train t
 engine's on-device batching, like digits. EMNIST's stored images are transposed; they are
 turned upright, and the ``letters`` split's labels 1..26 become 0..25. Augmentation: a random
 crop with padding 2 (no flip: digits and letters are not mirror-symmetric), padding with the
-normalised zero
-(:mod:`.data` wraps the tensors).
+normalised zero (:mod:`.data` wraps the tensors).
 """
 
 from __future__ import annotations
