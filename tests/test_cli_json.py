@@ -149,7 +149,7 @@ def _choices():
 @pytest.mark.parametrize("name, param", _choices(), ids=lambda x: x if isinstance(x, str) else x.opts[0])
 def test_choice_options_show_their_choices_and_refuse_others_in_one_line(name, param):
     choices = [param.type.normalize_choice(c, None) for c in param.type.choices]
-    help_text = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}).stdout
+    help_text = runner.invoke(app, [name, "--help"], env={"COLUMNS": "240"}).stdout
     assert f"[{'|'.join(choices)}]" in help_text
     result = runner.invoke(app, [name, param.opts[0], "bogus"])
     expected = " or ".join(choices) if len(choices) < 3 else f"{', '.join(choices[:-1])} or {choices[-1]}"
