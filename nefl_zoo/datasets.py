@@ -7,9 +7,11 @@ exporter (:mod:`nefl_zoo.export`), so that exporting does not import the trainin
 
 from __future__ import annotations
 
+Stats = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std), one value per channel
+
 # (mean, std) per channel of pixels scaled to [0, 1], from each training set; SVHN's are the
 # NeFL appendix's. Grey datasets have one channel (:func:`normalization` adapts the count).
-NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+NORMALIZATION: dict[str, Stats] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "svhn": ((0.4376821, 0.4437697, 0.47280442), (0.19803012, 0.20101562, 0.19703614)),
@@ -20,6 +22,7 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "kmnist": ((0.1918,), (0.3483,)),
     "emnist": ((0.1751,), (0.3332,)),  # the balanced split's; the other splits' differ by < 0.01
 }
+
 
 class DatasetNotFoundError(FileNotFoundError):
     """A dataset is missing from its folder; the message names the folder and expected files."""
@@ -40,16 +43,19 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-def normalization(name: str, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """``(mean, std)`` of dataset ``name`` for a model taking ``channels`` channels: a grey
-    dataset's value repeated for a colour model, a colour dataset's mean over its channels for a
-    grey one; ``None`` for a dataset without a known normalisation."""
-    if name not in NORMALIZATION:
-        return None
-    mean, std = NORMALIZATION[name]
+def per_channel(stats: Stats, channels: int) -> Stats:
+    """``(mean, std)`` for a model taking ``channels`` channels: a grey dataset's value repeated
+    for a colour model, a colour dataset's mean over its channels for a grey one."""
+    mean, std = stats
     if len(mean) != channels:
         mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
     return mean, std
 
 
-__all__ = ["CIFAR10_CLASSES", "CLASS_NAMES", "DatasetNotFoundError", "MNIST_FAMILY", "NORMALIZATION", "normalization"]
+def normalization(name: str, channels: int) -> Stats | None:
+    """``(mean, std)`` of dataset ``name`` for a model taking ``channels`` channels
+    (:func:`per_channel`); ``None`` for a dataset without a known normalisation."""
+    return per_channel(NORMALIZATION[name], channels) if name in NORMALIZATION else None
+
+
+__all__ = ["CIFAR10_CLASSES", "CLASS_NAMES", "DatasetNotFoundError", "MNIST_FAMILY", "NORMALIZATION", "normalization", "per_channel"]

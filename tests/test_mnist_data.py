@@ -71,6 +71,10 @@ def test_a_colour_model_at_another_size_gets_repeated_resized_channels(tmp_path)
     x, _ = data.train_eval[0]
     assert x.shape == (3, 32, 32) and torch.equal(x[0], x[2])
     assert data.train.transform.padding == [2, 2, 2, 2]  # augmentation: crop only, batched on the device
+    native = load_data(DataConfig(dataset="mnist", root=str(tmp_path)), tmp_path, (3, 28, 28), num_clients=2, seed=0)
+    x, _ = native.test[5]  # at 28 px no resize: every channel is MNIST's normalisation of the pixels
+    expected = (torch.tensor(_images(1)[5], dtype=torch.float32) / 255 - 0.1307) / 0.3081
+    torch.testing.assert_close(x, expected.expand(3, -1, -1))
 
 
 @pytest.mark.parametrize("name, split, expected", [

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..datasets import NORMALIZATION
+from ..datasets import NORMALIZATION, per_channel
 from .mnist import open_split
 
 EXPECTED = {
@@ -50,9 +50,7 @@ def _transform(name: str, input_size: tuple[int, int, int], augment: bool):
     from torchvision.transforms import v2
 
     channels, h, w = input_size
-    mean, std = STATS[name]
-    if len(mean) != channels:  # grey to colour: repeat; colour to grey: the mean of the three
-        mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
+    mean, std = per_channel(STATS[name], channels)
     steps = [v2.ToImage(), v2.Resize((h, w), antialias=True), v2.ToDtype(torch.float32, scale=True)]
     steps.append(v2.Lambda(lambda x: x.expand(channels, -1, -1) if x.shape[0] == 1 else (x if channels == 3 else x.mean(0, keepdim=True))))
     if augment:
