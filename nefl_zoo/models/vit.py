@@ -4,15 +4,17 @@ Parameter names follow timm (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
 ``blocks.{i}.norm1/attn.qkv/attn.proj/norm2/mlp.fc1/mlp.fc2``, ``norm``, ``head``) plus
 ``blocks.{i}.step_attn`` and ``blocks.{i}.step_mlp``. Width scaling narrows the embedding
 dimension, every head (all heads are kept, each to its first ``ceil(head_dim * sqrt(gamma_w))``
-dimensions, with q, k and v sliced separately) and the MLP hidden layer; ``channel_multiple``
-rounds each of these widths as for the ResNets. The encoder is one
+dimensions, with q, k and v sliced separately) and the MLP hidden layer, as the NeFL paper does;
+``width="heads"`` keeps the embedding (so LayerNorm is exact) and nests whole heads and the
+MLP's hidden units instead, as automatic nesting does for timm's and torchvision's
+transformers. ``channel_multiple`` rounds each of these widths as for the ResNets. The encoder is one
 stage (``blocks``), whose output the final ``norm`` turns into the features.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 from pydantic import Field, StrictInt, model_validator
@@ -37,6 +39,7 @@ class ViTArgs(ModelArgs):
     depth: StrictInt = Field(12, ge=1, le=1000)
     num_heads: StrictInt = Field(12, ge=1, le=MAX_CHANNELS)
     mlp_ratio: float = Field(4.0, gt=0, le=64, strict=True)
+    width: Literal["embedding", "heads"] = "embedding"
 
     @model_validator(mode="after")
     def _consistent(self) -> "ViTArgs":
@@ -139,6 +142,7 @@ class VisionTransformer(NestedNet):
         gamma_w: float = 1.0,
         steps: Steps | None = None,
         channel_multiple: int = 1,
+        width: str = "embedding",
     ):
         super().__init__()
         if embed_dim % num_heads:
@@ -151,10 +155,13 @@ class VisionTransformer(NestedNet):
         }
         self.full_head_dim = embed_dim // num_heads
         (stage_steps,) = resolve_steps(steps, (depth,))
-        dim = scale_width(embed_dim, gamma_w, channel_multiple)
+        self.width = width
+        if width == "heads":  # the embedding whole, the first heads whole
+            dim, heads, head_dim = embed_dim, scale_width(num_heads, gamma_w, channel_multiple), self.full_head_dim
+        else:  # every dimension of every head, and the embedding
+            dim, heads, head_dim = scale_width(embed_dim, gamma_w, channel_multiple), num_heads, scale_width(self.full_head_dim, gamma_w, channel_multiple)
         self.num_features = dim
         self.feature_info = [{"module": "blocks", "num_chs": dim, "reduction": patch_size}]
-        head_dim = scale_width(self.full_head_dim, gamma_w, channel_multiple)
         hidden = scale_width(int(embed_dim * mlp_ratio), gamma_w, channel_multiple)
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, dim)
@@ -162,7 +169,7 @@ class VisionTransformer(NestedNet):
         self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, dim) * 0.02)
         self.blocks = nn.Sequential(
             OrderedDict(
-                (str(i), EncoderBlock(dim, num_heads, head_dim, hidden, s))
+                (str(i), EncoderBlock(dim, heads, head_dim, hidden, s))
                 for i, s in enumerate(stage_steps)
                 if s != 0
             )
@@ -186,9 +193,16 @@ class VisionTransformer(NestedNet):
         return x if pre_logits else self.head(x)
 
     def slice_index(self, key: str, slim_shape: torch.Size, full_shape: torch.Size) -> Index:
-        """q, k and v are sliced separately and every head keeps its first dimensions."""
+        """q, k and v are sliced separately; every head keeps its first dimensions, or (``width
+        heads``) the first heads are kept whole."""
         index = list(super().slice_index(key, slim_shape, full_shape))
-        if key.endswith("attn.qkv.weight") or key.endswith("attn.qkv.bias"):
+        qkv = key.endswith("attn.qkv.weight") or key.endswith("attn.qkv.bias")
+        if self.width == "heads":
+            if qkv:
+                inner, full_inner = slim_shape[0] // 3, full_shape[0] // 3
+                index[0] = (torch.arange(3)[:, None] * full_inner + torch.arange(inner)[None, :]).reshape(-1)
+            return tuple(index)
+        if qkv:
             index[0] = self._head_index(slim_shape[0] // 3, full_shape[0] // 3, parts=3)
         elif key.endswith("attn.proj.weight"):
             index[1] = self._head_index(slim_shape[1], full_shape[1], parts=1)

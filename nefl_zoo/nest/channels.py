@@ -15,9 +15,13 @@ and a *class* (union-find root) of ids is kept or removed as a whole.
 from __future__ import annotations
 
 
+import types
 import torch
 from torch import nn
 
+from .attention import attention, contract, einsum, gather, unite
+from .ids import Channels, _meta_args, channel_vector, meta_like, shared_rows, spread, varies
+from .movement import folded, opaque, pad, record_move, unfolded
 from .sources import NestError
 
 BINARY = {"add", "sub", "mul", "truediv", "div", "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_",
@@ -26,12 +30,13 @@ UNARY = {"relu", "relu_", "relu6", "sigmoid", "sigmoid_", "tanh", "tanh_", "hard
          "silu_", "gelu", "mish", "elu", "leaky_relu", "hardtanh", "hardtanh_", "softplus", "dropout", "dropout2d",
          "contiguous", "clone", "float", "to", "type_as", "neg", "abs", "exp", "clamp", "clamp_", "clamp_min",
          "stochastic_depth", "sqrt", "rsqrt", "pow", "erf", "detach", "hard_sigmoid", "hard_swish", "swish",
-         "gelu_tanh", "sign", "floor", "ceil", "round", "reciprocal", "log", "square"}
+         "gelu_tanh", "sign", "floor", "ceil", "round", "reciprocal", "log", "square", "sin", "cos"}
 MOVE = {"view", "reshape", "flatten", "permute", "transpose", "cat", "concat", "chunk", "split", "getitem",
         "squeeze", "unsqueeze", "expand", "expand_as", "size", "dim", "getattr", "narrow", "flip", "roll",
         "unbind", "stack", "tensor_split", "movedim", "swapaxes", "t", "unflatten", "repeat", "tile", "numel",
         "floordiv", "mod", "sym_size", "_assert", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_",
-        "split_with_sizes", "index_select", "type"}
+        "split_with_sizes", "index_select", "type", "reshape_as", "view_as", "repeat_interleave"}
+WEIGHTED = {"linear", "conv1d", "conv2d", "conv3d"}  # functional layers: their weight is read by key
 REDUCE = {"mean", "sum", "amax", "amin", "max", "min", "std", "var", "logsumexp", "norm"}
 POOL = {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "max_pool2d",
         "max_pool2d_with_indices", "avg_pool1d", "max_pool1d", "interpolate", "upsample", "adaptive_avg_pool3d",
@@ -48,77 +53,6 @@ def op_name(node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-class Channels:
-    """Union-find over channel ids, the spaces that created them and every parameter's ids."""
-
-    def __init__(self):
-        self.parent: list[int] = []
-        self.spaces: list[tuple[str, int, int]] = []  # (name, first id, size)
-        self.dims: dict[str, list[torch.Tensor | None]] = {}  # state key -> per dimension ids (None: whole)
-        self.quantum: list[tuple[torch.Tensor, int]] = []  # ids whose kept count must be a multiple of q
-        self.convs: dict[str, tuple[int, int]] = {}  # grouped conv weight key -> (groups, in channels)
-        self.norm_groups: dict[str, int] = {}  # GroupNorm weight key -> channels per group
-        self.channel_views: list[tuple[str, torch.Tensor]] = []  # (what, ids): views that need all these ids
-        self.parts: list[list[torch.Tensor]] = []  # the parts of every channel split
-        self.channel_stats: list[str] = []  # where statistics over channels are taken (not zero-exact)
-        self.fixed: set[int] = set()  # ids that must stay (input and output channels)
-
-    def new(self, name: str, size: int) -> torch.Tensor:
-        base = len(self.parent)
-        self.parent.extend(range(base, base + size))
-        self.spaces.append((name, base, size))
-        return torch.arange(base, base + size)
-
-    def find(self, i: int) -> int:
-        parent = self.parent
-        root = i
-        while parent[root] != root:
-            root = parent[root]
-        while parent[i] != root:
-            parent[i], i = root, parent[i]
-        return root
-
-    def union(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        a, b = torch.broadcast_tensors(a, b)
-        pairs = torch.stack([a.reshape(-1), b.reshape(-1)], 1)
-        pairs = pairs[(pairs >= 0).all(1)]
-        for x, y in torch.unique(pairs, dim=0).tolist():
-            rx, ry = self.find(x), self.find(y)
-            if rx != ry:
-                self.parent[max(rx, ry)] = min(rx, ry)
-
-    def roots(self) -> torch.Tensor:
-        """The class (root id) of every id."""
-        return torch.tensor([self.find(i) for i in range(len(self.parent))], dtype=torch.long)
-
-
-def channel_vector(ids: torch.Tensor, dim: int, where: str) -> torch.Tensor:
-    """The ids along ``dim``, which must not vary along the other dimensions."""
-    vec = ids.movedim(dim, -1).reshape(-1, ids.shape[dim])
-    if not bool((vec == vec[:1]).all()):
-        raise NestError(f"{where}: its channels are mixed with other dimensions")
-    return vec[0]
-
-
-def varies(ids: torch.Tensor, dim: int) -> bool:
-    return ids.shape[dim] > 1 and not bool((ids == ids.narrow(dim, 0, 1)).all())
-
-
-def spread(vec: torch.Tensor, shape: torch.Size, dim: int = 1) -> torch.Tensor:
-    """``vec`` along ``dim`` of a tensor of ``shape`` (a broadcast view)."""
-    view = [1] * len(shape)
-    view[dim] = -1
-    return vec.view(view).expand(shape)
-
-
-def meta_like(x):
-    return torch.empty(x.shape, device="meta") if isinstance(x, torch.Tensor) else x
-
-
-def _meta_args(args):
-    return torch.utils._pytree.tree_map(meta_like, args)
-
-
 class ShapeError(NestError):
     """An operation of the network failed on the analysis's input (its shapes may depend on the size)."""
 
@@ -131,7 +65,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
     ch = Channels()
     params = dict(gm.named_parameters()) | dict(gm.named_buffers())
     for n in gm.graph.nodes:  # from an analysis at another size
-        n.meta.pop("nest_view", None), n.meta.pop("nest_cut", None)
+        for key in ("nest_cut", "nest_split"):
+            n.meta.pop(key, None)
 
     class Interp(fx.Interpreter):
         def run_node(self, n):
@@ -150,6 +85,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
 
         def placeholder(self, target, args, kwargs):
+            if any(space[0] == "input" for space in ch.spaces):  # optional arguments (an attention mask): their defaults
+                return super().placeholder(target, args, kwargs)
             ids = spread(ch.new("input", example[1]), example)
             ch.fixed.update(ids[0, :, *[0] * (len(example) - 2)].tolist())
             return ids
@@ -158,7 +95,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             value = super().get_attr(target, args, kwargs)
             if not isinstance(value, torch.Tensor):
                 return value
+            weight_only = all(op_name(u) in WEIGHTED and (u.args[1:2] == (self.node,) or u.kwargs.get("weight") is self.node)
+                              for u in self.node.users)
+            if not value.is_floating_point() or weight_only:  # an index or mask of positions, a layer's weight
+                return torch.tensor(-1).expand(value.shape)
             ids = ch.new(target, value.numel()).view(value.shape)
+            ch.element_ranges.append((int(ids.min()), value.numel()) if value.numel() else (0, 0))
             ch.dims.setdefault(target, ["elements"])
             return ids
 
@@ -171,15 +113,25 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return conv(where, target, x, m.weight.shape[0], m.groups, m.bias is not None, out_shape)
             if isinstance(m, nn.Linear):
                 return linear(where, target, x, m.out_features, m.bias is not None)
+            if isinstance(m, nn.Unfold):
+                return unfolded(x, m)
+            if isinstance(m, nn.Fold):
+                return folded(x, m, where)
             if isinstance(m, NORMS):
                 return norm(where, target, m, x)
-            if any(True for _ in m.parameters(recurse=True)):
-                raise NestError(f"{where}: a layer with parameters that nesting does not know")
             out = m(*_meta_args(args), **_meta_args(kwargs))
+            if any(True for _ in m.parameters(recurse=True)):
+                if not (isinstance(out, torch.Tensor) and out.shape == x.shape):
+                    raise NestError(f"{where}: a layer with parameters that nesting does not know")
+                ch.kept_whole.append(where)  # untouched: its channels (and all tied to them) keep their width
+                ch.fixed.update(int(i) for i in x.unique().tolist() if i >= 0)
+                for key, value in [*m.named_parameters(target), *m.named_buffers(target)]:
+                    ch.dims[key] = [None] * value.ndim
+                return x
             if isinstance(m, nn.Flatten) or isinstance(m, nn.Unflatten):
                 return m(x)
             if isinstance(m, PARAM_FREE_SPATIAL):
-                return spread(channel_vector(x, 1, where), out.shape)
+                return spread(channel_vector(x, 1, where, ch, shared=True), out.shape)
             if isinstance(out, torch.Tensor) and out.shape == x.shape:
                 return x  # activations, dropout, identity
             raise NestError(f"{where}: a layer that changes the shape {tuple(x.shape)} -> nesting does not know")
@@ -194,32 +146,54 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             n = self.node
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             where = f"{n.name} ({name})"
+            if name == "linear":  # F.linear(input, weight, bias), positional or by keyword
+                x, weight, bias = (list(args) + [None] * 3)[:3]
+                x, weight, bias = kwargs.get("input", x), kwargs.get("weight", weight), kwargs.get("bias", bias)
+                key = (n.args[1] if len(n.args) > 1 else n.kwargs["weight"]).target
+                bias_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+                own_bias = getattr(bias_node, "op", None) == "get_attr" and bias_node.target == f"{key.rpartition('.')[0]}.bias"
+                out = linear(where, key.rpartition(".")[0], x, params[key].shape[0], own_bias, key)
+                return unite(ch, out, bias) if isinstance(bias, torch.Tensor) and not own_bias else out
+            if name in ("getitem", "index_select") and tensors:
+                index = args[1] if name == "getitem" else (slice(None),) * args[1] + (args[2],)
+                index = index if isinstance(index, tuple) else (index,)
+                positions = [p for p, i in enumerate(index) if isinstance(i, torch.Tensor)]
+                if positions:
+                    if len(positions) > 1 or any(i != slice(None) for i in index[:positions[0]]):
+                        raise NestError(f"{where}: indexing by several tensors")
+                    return gather(ch, tensors[0], positions[0], index[positions[0]].shape, where)
+            if name == "pad":
+                return pad(tensors[0], args[1] if len(args) > 1 else kwargs["pad"], where, native_meta(target, args, kwargs, n.op).shape)
             if name in MOVE or not tensors:
                 args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # ids are often broadcast views: view() needs real strides
                 out = target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], target)(*args[1:], **kwargs)
+                made = not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+                if made and isinstance(out, torch.Tensor):  # made from no tensor (arange, zeros): no channel
+                    return torch.full(out.shape, -1, dtype=torch.long)
                 if isinstance(args[0], torch.Tensor) and args[0].ndim >= 1:
-                    moved(n, name, args, kwargs, out, where)
+                    record_move(ch, n, name, args, kwargs, out, where)
                 return out
             x = tensors[0]
             if name in BINARY:
-                if len(tensors) == 2:
-                    a, b = torch.broadcast_tensors(*tensors)
-                    ch.union(a, b)
-                    return torch.where(a >= 0, a, b)
-                return x
+                return unite(ch, *tensors) if len(tensors) == 2 else x
+            if name in ("matmul", "bmm"):
+                return contract(ch, tensors[0], tensors[1], where)
+            if name == "scaled_dot_product_attention":
+                q, k, v = args[:3]
+                return attention(ch, q, k, v, args[3] if len(args) > 3 else kwargs.get("attn_mask"), where)
             if name in UNARY:
                 return x
             if name in REDUCE or name in POOL:
                 out = native_meta(target, args, kwargs, n.op)
                 shape = out[0].shape if isinstance(out, tuple) else out.shape
                 if name in POOL:
-                    res = spread(channel_vector(x, 1, where), shape)
+                    res = spread(channel_vector(x, 1, where, ch), shape)
                 else:
                     dims = args[1] if len(args) > 1 else kwargs.get("dim", list(range(x.ndim)))
                     dims = [d % x.ndim for d in ([dims] if isinstance(dims, int) else dims)]
                     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
                     if any(varies(x, d) for d in dims):
-                        ch.channel_stats.append(where)
+                        ch.channel_stats.append((where, x[x >= 0].unique()))
                         res = torch.full(shape if not isinstance(out, tuple) else out[0].shape, -1, dtype=torch.long)
                     else:
                         res = x.amax(dim=dims, keepdim=bool(keep))
@@ -229,61 +203,41 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
                 out = native_meta(target, args, kwargs, n.op)
                 return conv(where, key.rpartition(".")[0], x, params[key].shape[0], groups, args[2] is not None if len(args) > 2 else kwargs.get("bias") is not None, out.shape, key)
-            if name == "linear":
-                key = n.args[1].target
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return linear(where, key.rpartition(".")[0], x, params[key].shape[0], bias is not None, key)
             if name in ("layer_norm", "group_norm", "batch_norm", "instance_norm"):
-                dim = -1 if name == "layer_norm" else 1
+                dim = (-1 if name == "layer_norm" else 1) % x.ndim
+                try:
+                    vec = channel_vector(x, dim, where, ch)
+                except NestError:
+                    if name != "layer_norm":
+                        raise
+                    shared_rows(ch, x, dim)  # the weight stays whole
+                    return x
                 for a in list(args[1:]) + list(kwargs.values()):
                     if isinstance(a, torch.Tensor):
-                        ch.union(a.reshape(-1), channel_vector(x, dim % x.ndim, where))
+                        ch.union(a.reshape(-1), vec)
                 if name in ("layer_norm", "group_norm"):
-                    ch.channel_stats.append(where)
+                    ch.channel_stats.append((where, vec))
                 if name == "group_norm":
-                    ch.quantum.append((channel_vector(x, 1, where), x.shape[1] // args[1]))
+                    n.meta["nest_group_size"] = x.shape[1] // args[1]  # kept in the tier: its groups are re-counted
+                    ch.quantum.append((vec, x.shape[1] // args[1]))
                 return x
-            if name in ("softmax", "log_softmax") and not varies(x, (args[1] if len(args) > 1 else kwargs["dim"]) % x.ndim):
+            if name in ("softmax", "log_softmax", "normalize"):  # over channels (channel attention, cosine attention):
+                dim = (args[1] if len(args) > 1 else kwargs.get("dim", 1 if name == "normalize" else None)) % x.ndim
+                if name == "normalize" and len(args) > 1:  # normalize(x, p, dim)
+                    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 1)) % x.ndim
+                ch.union(x, x.amax(dim, keepdim=True))  # those channels are kept or removed together
                 return x
+            if name == "einsum":
+                return einsum(ch, args[0], [a for a in args[1:] if isinstance(a, torch.Tensor)] or list(args[1]), where)
+            if name in ("addcmul", "addcdiv"):
+                return unite(ch, unite(ch, tensors[0], tensors[1]), tensors[2])
+            if name == "unfold":  # F.unfold: positions move, as nn.Unfold
+                return unfolded(x, lambda v: target(v, *args[1:], **kwargs))
+            if name == "fold":
+                return folded(x, lambda v: target(v, *args[1:], **kwargs), where)
+            if n.op == "call_function" and isinstance(target, types.FunctionType) and not target.__module__.startswith("torch"):
+                return opaque(target, args, kwargs, where)  # a function the tracer kept whole (timm's window_reverse)
             raise NestError(f"{where}: an operation nesting does not know")
-
-    def moved(n, name, args, kwargs, out, where):
-        """Record what a view or selection does to channels: a view that splits them into several
-        dimensions (refused when narrowed), a channel count written into a view's shape and a
-        selection along the channels (both re-cut when the tier is built)."""
-        x = args[0]
-        if name in ("view", "reshape", "unflatten") and isinstance(out, torch.Tensor):
-            before = [d for d in range(x.ndim) if varies(x, d)]
-            after = [d for d in range(out.ndim) if varies(out, d)]
-            if before and len(after) > len(before):
-                kind = "(channel shuffle)" if before == [1] and after[:2] == [1, 2] else "into several dimensions (heads)"
-                ch.channel_views.append((f"{n.name}: a view that splits the channels {kind}", x[x >= 0].unique()))
-            elif len(after) == 1 and name != "unflatten":
-                shape = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
-                if len(shape) == out.ndim and isinstance(shape[after[0]], int) and shape[after[0]] >= 0:
-                    n.meta["nest_view"] = (after[0], channel_vector(out, after[0], where))
-        elif name in ("chunk", "split", "split_with_sizes", "narrow"):
-            d = (args[1] if name == "narrow" else args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
-            if varies(x, d):  # a channel split: each part nests on its own
-                n.meta["nest_cut"] = (d, channel_vector(x, d, where))
-                if name != "narrow":
-                    ch.parts.append([channel_vector(o, d, where) for o in out])
-        elif name == "getitem" and isinstance(x, torch.Tensor):
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            dims = sum(1 for i in index if i is not None and i is not Ellipsis)
-            d = 0
-            for p, i in enumerate(index):
-                if i is Ellipsis:
-                    d += x.ndim - dims
-                    continue
-                if i is not None and d < x.ndim and varies(x, d) and not (isinstance(i, slice) and i == slice(None)):
-                    if not isinstance(i, slice):
-                        ch.channel_views.append((f"{n.name}: an index that picks channels by position", channel_vector(x, d, where)))
-                    elif i.step not in (None, 1):
-                        raise NestError(f"{where}: a strided channel slice")
-                    else:
-                        n.meta["nest_cut"] = (p, channel_vector(x, d, where))
-                d += i is not None
 
     def native_meta(target, args, kwargs, op):
         margs, mkw = _meta_args(args), _meta_args(kwargs)
@@ -291,7 +245,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
 
     def conv(where, owner, x, cout, groups, bias, out_shape, wkey=None):
         wkey = wkey or f"{owner}.weight"
-        vec = channel_vector(x, 1, where)
+        vec = channel_vector(x, 1, where, ch, shared=True)
         cin = vec.numel()
         extra = [None] * (params[wkey].ndim - 2)
         if groups == 1:
@@ -301,17 +255,25 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             out = vec
             ch.dims[wkey] = [vec, None, *extra]
             ch.quantum.append((vec, cin // groups))
-            ch.convs[wkey] = (groups, cin)
-        else:
-            raise NestError(f"{where}: grouped convolution {cin} -> {cout} channels in {groups} groups "
-                            "(the channels per group change)")
+            ch.convs[wkey] = (groups, cin, cout)
+        else:  # the channels per group change (a depthwise multiplier, ResNeSt): whole groups nest
+            grouped = vec.view(groups, cin // groups)
+            ch.union(grouped, grouped[:, :1])
+            out = grouped[:, 0].repeat_interleave(cout // groups)
+            ch.dims[wkey] = [out, None, *extra]
+            ch.convs[wkey] = (groups, cin, cout)
         if bias:
             ch.dims[f"{owner}.bias"] = [out]
         return spread(out, out_shape)
 
     def linear(where, owner, x, cout, bias, wkey=None):
         wkey = wkey or f"{owner}.weight"
-        vec = channel_vector(x, x.ndim - 1, where)
+        if x.shape[-1] > 1 and not varies(x, x.ndim - 1) and any(varies(x, d) for d in range(x.ndim - 1)):
+            ch.dims[wkey] = [None, None]  # mixing tokens (MLP-Mixer): shared by every channel, which it keeps
+            if bias:
+                ch.dims[f"{owner}.bias"] = [None]
+            return x.narrow(-1, 0, 1).expand(*x.shape[:-1], cout)
+        vec = channel_vector(x, x.ndim - 1, where, ch, shared=True)
         out = ch.new(wkey, cout)
         ch.dims[wkey] = [out, vec]
         if bias:
@@ -322,11 +284,17 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
         if isinstance(m, nn.LayerNorm):
             if len(m.normalized_shape) != 1:
                 raise NestError(f"{where}: LayerNorm over {len(m.normalized_shape)} dimensions")
-            vec = channel_vector(x, x.ndim - 1, where)
+            try:
+                vec = channel_vector(x, x.ndim - 1, where, ch)
+            except NestError:
+                shared_rows(ch, x, x.ndim - 1)  # its weight stays whole
+                for key, value in list(m.named_parameters(owner)):
+                    ch.dims[key] = [None] * value.ndim
+                return x
         else:
-            vec = channel_vector(x, 1, where)
+            vec = channel_vector(x, 1, where, ch)
         if isinstance(m, CHANNEL_NORMS):
-            ch.channel_stats.append(where)
+            ch.channel_stats.append((where, vec))
         if isinstance(m, nn.GroupNorm):
             ch.quantum.append((vec, m.num_channels // m.num_groups))
             ch.norm_groups[f"{owner}.weight"] = m.num_channels // m.num_groups

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.base import scale_width
-from .channels import Channels, ShapeError, analyse
+from .channels import ShapeError, analyse
+from .ids import Channels
 from .residual import Block, find_blocks
 from .sources import NestError, Source, construct, trace
 
@@ -105,20 +106,48 @@ class NestPlan:
     def check_groups(self, keep: torch.Tensor) -> None:
         """Kept channels of every grouped convolution are whole leading groups, and no view
         splits narrowed channels (a channel shuffle mixes them across the split)."""
-        for what, ids in self.channels.channel_views:
-            if not bool(keep[ids].all()):
+        for what, ids, dim in self.channels.channel_views:
+            if not bool(kept_ids(keep, ids).movedim(dim, 0).reshape(ids.shape[dim], -1).any(1).all()):
                 raise NestError(f"{what} of narrowed channels")
-        for key, (groups, cin) in self.channels.convs.items():
+        for what, grid in self.channels.splits:
+            if split_sizes(keep, grid) is None:
+                raise NestError(f"{what} of narrowed channels")
+        for key, (groups, cin, cout) in self.channels.convs.items():
             if cin == groups:  # depthwise: any kept set
                 continue
             pos = torch.nonzero(keep[self.dims[key][0]]).flatten()
-            if not torch.equal(pos, torch.arange(len(pos))) or len(pos) % (cin // groups):
+            if not torch.equal(pos, torch.arange(len(pos))) or len(pos) % (cout // groups):
                 raise NestError(f"{key}: the kept channels of this grouped convolution are not whole leading groups")
 
 
-def _elements_dims(key: str, ids: torch.Tensor, roots: torch.Tensor) -> list[torch.Tensor | None]:
-    """Per dimension ids of a parameter used element-wise (layer scale, position embedding)."""
+def kept_ids(keep: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``ids`` stays in the tier (``-1``, no single channel, always does)."""
+    return keep[ids.clamp(min=0)] | (ids < 0)
+
+
+def split_sizes(keep: torch.Tensor, grid: torch.Tensor) -> list[int] | None:
+    """The kept size of each dimension of a view that splits channels into several (heads),
+    or ``None`` where the kept channels are not every combination of kept positions per
+    dimension (a view of them would scramble them). Positions holding no channel (``-1``,
+    padding) always stay."""
+    real = grid >= 0
+    kept = keep[grid.clamp(min=0)] & real
+    box, sizes = real.clone(), []
+    for d in range(grid.ndim):
+        along = lambda t: t.movedim(d, 0).reshape(grid.shape[d], -1)  # noqa: E731
+        stays = along(kept).any(1) | ~along(real).any(1)
+        sizes.append(int(stays.sum()))
+        box &= stays.view([-1 if i == d else 1 for i in range(grid.ndim)])
+    return sizes if torch.equal(box, kept) else None
+
+
+def _elements_dims(key: str, ids: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor,
+                   shared: set[int]) -> list[torch.Tensor | None]:
+    """Per dimension ids of a parameter used element-wise (layer scale, position embedding);
+    whole where no channel reaches it or it is shared by several channels (an attention mask)."""
     classes = roots[ids]
+    if bool((sizes[classes] == 1).all()) or not shared.isdisjoint(ids.flatten().tolist()):
+        return [None] * ids.ndim
     varying = [d for d in range(ids.ndim) if ids.shape[d] > 1 and not bool((classes == classes.narrow(d, 0, 1)).all())]
     if len(varying) > 1:
         raise NestError(f"{key}: a parameter whose elements belong to channels along {len(varying)} dimensions")
@@ -206,12 +235,13 @@ def _analysed(gm, source: Source, in_chans: int, img_size: int, fixed: int | Non
 
 def _state_dims(gm, ch: Channels) -> dict[str, list[torch.Tensor | None]]:
     roots = ch.roots()
+    sizes = torch.bincount(roots, minlength=len(roots))
     dims = {}
-    for key, value in gm.state_dict().items():
+    for key, value in {**dict(gm.named_parameters()), **dict(gm.named_buffers())}.items():  # non-persistent too
         spec = ch.dims.get(key)
         if spec == ["elements"]:
             base = next(b for name, b, _ in ch.spaces if name == key)
-            dims[key] = _elements_dims(key, torch.arange(base, base + value.numel()).view(value.shape), roots)
+            dims[key] = _elements_dims(key, torch.arange(base, base + value.numel()).view(value.shape), roots, sizes, ch.shared)
         elif spec is not None:
             for d, ids in enumerate(spec):
                 if ids is not None and len(ids) != value.shape[d]:
@@ -221,13 +251,31 @@ def _state_dims(gm, ch: Channels) -> dict[str, list[torch.Tensor | None]]:
     return dims
 
 
+def _traced_and_analysed(source: Source, model, in_chans: int, img_size: int, fixed: int | None):
+    """Trace with timm's whole ("notrace") modules and analyse; where one of them is refused or
+    kept whole, trace through them too and keep that analysis if it succeeds."""
+    gm, refused, found = trace(source, model), None, None
+    try:
+        found = _analysed(gm, source, in_chans, img_size, fixed)
+    except NestError as exc:
+        refused = exc
+    if source.leaf_types and (found is None or found[1].kept_whole):
+        try:
+            inner = trace(source, model, leaves=False)
+            return inner, _analysed(inner, source, in_chans, img_size, fixed)
+        except NestError:
+            pass
+    if found is None:
+        raise refused
+    return gm, found
+
+
 def _make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
     start = time.perf_counter()
     with torch.device("meta"):
         model = construct(source)
     fixed = _fixed_size(source, model)
-    gm = trace(source, model)
-    size, ch, dims = _analysed(gm, source, in_chans, img_size, fixed)
+    gm, (size, ch, dims) = _traced_and_analysed(source, model, in_chans, img_size, fixed)
     roots = ch.roots()
     group_of, group_classes = _groups(ch, roots)
     quantum = [1] * len(group_classes)
@@ -235,6 +283,11 @@ def _make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
         for g in set(group_of[roots[vec]].tolist()):
             quantum[g] = math.lcm(quantum[g], q)
     fixed_roots = {int(roots[i]) for i in ch.fixed}
+    for name, base, size in ch.spaces:  # parameters kept whole (shared, or reached by no channel) keep their ids
+        if ch.dims.get(name) == ["elements"] and name in dims and all(d is None for d in dims[name]):
+            fixed_roots |= set(roots[base:base + size].unique().tolist())
+    if ch.attention:  # a transformer's stream keeps its width: heads and MLP units nest, exactly
+        fixed_roots |= {int(r) for _, ids in ch.channel_stats for r in roots[ids].unique()}
     group_fixed = [False] * len(group_classes)
     for r in fixed_roots:
         group_fixed[int(group_of[r])] = True

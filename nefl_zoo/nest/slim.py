@@ -9,7 +9,7 @@ import copy
 import torch
 from torch import nn
 
-from .plan import NestPlan
+from .plan import NestPlan, kept_ids, split_sizes
 from .sources import NestError, construct
 
 
@@ -32,6 +32,7 @@ def cut_blocks(gm: torch.fx.GraphModule, plan: NestPlan, steps: list[list[float]
         if value == 0:
             add.replace_all_uses_with(shortcut)
             gm.graph.erase_node(add)
+            nodes[b.add] = shortcut  # a later block whose input this add was now starts from its shortcut
             continue
         owner = _module_at(gm, b.owner)
         owner.register_parameter(b.step, nn.Parameter(torch.tensor(float(value))))
@@ -74,8 +75,8 @@ def _retell(prefix: str, m: nn.Module, plan: NestPlan) -> None:
     if isinstance(m, nn.modules.conv._ConvNd):
         key = f"{prefix}.weight"
         if key in plan.channels.convs:
-            groups, cin = plan.channels.convs[key]
-            m.groups = m.weight.shape[0] // (cin // groups)
+            groups, _, cout = plan.channels.convs[key]
+            m.groups = m.weight.shape[0] // (cout // groups)
         m.out_channels, m.in_channels = m.weight.shape[0], m.weight.shape[1] * m.groups
     elif isinstance(m, nn.Linear):
         m.out_features, m.in_features = m.weight.shape
@@ -100,25 +101,23 @@ def _patch_functions(gm: torch.fx.GraphModule, plan: NestPlan) -> None:
             continue
         name = op_name(n)
         if name in ("conv1d", "conv2d", "conv3d") and n.args[1].target in plan.channels.convs:
-            groups, cin = plan.channels.convs[n.args[1].target]
+            groups, _, cout = plan.channels.convs[n.args[1].target]
             w = gm.get_parameter(n.args[1].target)
             args = list(n.args) + [None] * (7 - len(n.args))
             if len(n.args) > 6:
-                args[6] = w.shape[0] // (cin // groups)
+                args[6] = w.shape[0] // (cout // groups)
                 n.args = tuple(args)
             else:
-                n.kwargs = {**n.kwargs, "groups": w.shape[0] // (cin // groups)}
+                n.kwargs = {**n.kwargs, "groups": w.shape[0] // (cout // groups)}
         elif name == "layer_norm":
             weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
             if hasattr(weight, "target"):
                 n.args = (n.args[0], (gm.get_parameter(weight.target).shape[0],), *n.args[2:])
-        elif name == "group_norm":
-            raise NestError(f"{n.name}: functional group norm (nesting needs nn.GroupNorm)")
-
-
-def _kept(keep: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Whether each of ``ids`` stays in the tier (``-1``, no single channel, always does)."""
-    return keep[ids.clamp(min=0)] | (ids < 0)
+        elif name == "group_norm":  # F.group_norm(x, num_groups, weight, ...): the kept groups
+            weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
+            if not hasattr(weight, "target") or len(n.args) < 2:
+                raise NestError(f"{n.name}: functional group norm without a weight (nesting needs nn.GroupNorm)")
+            n.args = (n.args[0], gm.get_parameter(weight.target).shape[0] // n.meta["nest_group_size"], *n.args[2:])
 
 
 def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
@@ -128,17 +127,22 @@ def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
     from .channels import op_name
 
     for n in list(gm.graph.nodes):
-        if "nest_view" in n.meta:
-            d, ids = n.meta["nest_view"]
-            packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))  # view(x, (a, b)) or view(x, a, b)
+        if n.op == "call_method" and n.target == "view":
+            n.target = "reshape"  # narrower dimensions may not be viewable where the full ones were
+        if "nest_split" in n.meta:  # heads: each split dimension keeps its kept positions
+            dims, grid = n.meta["nest_split"]
+            packed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
             sizes = list(n.args[1] if packed else n.args[1:])
-            sizes[d] = int(_kept(keep, ids).sum())
+            if len(sizes) == len(n.meta["nest_shape"]):
+                for d, count in zip(dims, split_sizes(keep, grid)):
+                    if isinstance(sizes[d], torch.fx.Node) or (isinstance(sizes[d], int) and sizes[d] >= 0):
+                        sizes[d] = count
             n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
         if "nest_cut" not in n.meta:
             continue
         name, src = op_name(n), n.args[0]
         d, ids = n.meta["nest_cut"]
-        kept = _kept(keep, ids).long()
+        kept = kept_ids(keep, ids).long()
         before = lambda i: int(kept[:i].sum())  # noqa: E731 - kept channels before full position i
         if name == "getitem":
             index = list(n.args[1]) if isinstance(n.args[1], tuple) else [n.args[1]]

@@ -141,21 +141,33 @@ def library_source(name: str, num_classes: int, in_chans: int) -> Source:
     return Source(name, make_timm, tuple(get_notrace_modules()), tuple(get_notrace_functions()))
 
 
-def trace(source: Source, model: nn.Module) -> torch.fx.GraphModule:
+def _optional_arguments(model: nn.Module) -> dict:
+    """``forward``'s optional arguments (a mask, a flag) fixed to their defaults: traced as the
+    plain classifier call ``model(x)``."""
+    import inspect
+
+    parameters = list(inspect.signature(model.forward).parameters.values())[1:]
+    return {p.name: p.default for p in parameters
+            if p.kind is p.POSITIONAL_OR_KEYWORD and (p.default is None or isinstance(p.default, bool))}
+
+
+def trace(source: Source, model: nn.Module, leaves: bool = True) -> torch.fx.GraphModule:
     """``model`` traced by torch.fx (eval mode) with the source's leaf modules (timm's "notrace"
-    list) kept as single calls, else, where that fails, through every module."""
+    list) kept as single calls, else, where that fails (or ``leaves`` is false), through every module."""
     import torch.fx as fx
 
     model.eval()
     error = None
-    for leaves in dict.fromkeys([source.leaf_types, ()]):
+    for leaves in dict.fromkeys([source.leaf_types if leaves else (), ()]):
 
         class Tracer(fx.Tracer):
+            proxy_buffer_attributes = True  # buffers (position indices, masks) by name, not as constants
+
             def is_leaf_module(self, m: nn.Module, qualname: str, leaves=leaves) -> bool:
                 return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
 
         try:
-            gm = fx.GraphModule(model, Tracer(autowrap_functions=source.autowrap).trace(model), type(model).__name__)
+            gm = fx.GraphModule(model, Tracer(autowrap_functions=source.autowrap).trace(model, concrete_args=_optional_arguments(model)), type(model).__name__)
             for node in list(gm.graph.nodes):  # shape assertions hold for the full widths only
                 if node.op == "call_function" and getattr(node.target, "__name__", "") in ("_assert", "_assert_async"):
                     gm.graph.erase_node(node)
