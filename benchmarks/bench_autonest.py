@@ -1,14 +1,21 @@
-"""Coverage of automatic nesting (nefl_zoo.nest) over torchvision's classifiers and popular timm families.
+"""Coverage of automatic nesting (nefl_zoo.nest): one model per timm module and sub-family, and
+every torchvision classifier, each up to 100M parameters.
 
-For each model: build the nesting plan (fx trace + channel analysis, meta device), the parameter
-ratio of the width tier closest to gamma = 0.5 (``auto_tier(..., mode="width")``), and, for
-models under --max-params, the exactness check of the contract test (a tier at gamma_w 0.5 with
-every other skippable block removed equals the global model with the removed channels and
-blocks zeroed; max |diff| relative to the logits' scale). Results go to a JSON lines file (one
-model per line; rerunning skips models already there), and ``--table`` prints the markdown table.
+For each model: the nesting plan (fx trace + channel analysis, meta device), the parameter
+ratio of the width tier gamma_W 0.5, and two checks of a tier at gamma_W 0.5 with every other
+skippable block removed: *exactness* (it equals the global model with the removed channels and
+blocks zeroed, max |diff| relative to the logits' scale) and *ONNX parity* (its ONNX file, as
+``nefl-zoo export`` writes it, gives its logits under onnxruntime). A model's class: ``exact``,
+``inexact by construction`` (a norm's statistics span narrowed channels: GroupNorm, a CNN's
+LayerNorm), or ``refused`` with the construct named. Results go to a JSON lines file (one model
+per line; rerunning skips models already there); ``--table`` prints the markdown tables.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_autonest.py --out benchmarks/autonest.jsonl
     python benchmarks/bench_autonest.py --out benchmarks/autonest.jsonl --table
+
+A timm *sub-family* is the name's leading word (``tf_`` and similar prefixes dropped): the
+smallest model of each. Transformers are the models of :data:`TRANSFORMER_MODULES`; the other
+timm modules are CNN-like (hybrids with attention blocks included).
 """
 
 from __future__ import annotations
@@ -16,127 +23,186 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-NOT_CNN = ("vit_", "swin_", "maxvit_")  # torchvision's transformers: outside the CNN count
-TIMM = [
-    "resnet50", "resnext50_32x4d", "seresnet50", "regnety_016", "regnetx_016", "efficientnet_b0", "tf_efficientnet_lite0",
-    "efficientnetv2_rw_s", "mobilenetv2_100", "mobilenetv3_large_100", "mobilevit_s", "convnext_tiny", "ghostnet_100",
-    "densenet121", "rexnet_100", "mixnet_s", "mnasnet_100", "fbnetc_100", "spnasnet_100", "hardcorenas_a", "lcnet_100",
-    "dla34", "dpn68", "cspresnet50", "cspdarknet53", "darknet53", "vgg11_bn", "inception_v3", "xception41",
-    "res2net50_26w_4s", "selecsls42b", "skresnet18", "repvgg_a2", "resnetv2_50", "ese_vovnet19b_dw", "gernet_s",
-    "hrnet_w18_small", "tinynet_a", "efficientvit_b0", "nf_resnet50",
-]
+MAX_PARAMS = 100e6
+EXACT = 1e-4  # relative difference below which a tier counts as the zeroed global model
+TRANSFORMER_MODULES = {
+    "beit", "cait", "coat", "convit", "crossvit", "davit", "deit", "eva", "gcvit", "hiera", "hieradet_sam2", "levit",
+    "maxxvit", "mvitv2", "naflexvit", "nest", "pit", "pvt_v2", "qwen3_vit", "swin_transformer", "swin_transformer_v2",
+    "swin_transformer_v2_cr", "tiny_vit", "tnt", "twins", "vision_transformer", "vision_transformer_hybrid",
+    "vision_transformer_relpos", "vision_transformer_sam", "visformer", "vitamin", "volo", "xcit", "gemma4_vit",
+    "deepseek_vit", "efficientformer_v2",
+}
 SMALL_INPUT = 64
-BIG_INPUT = {"inception_v3": 96, "googlenet": 64}
+BIG_INPUT = {"inception_v3": 96, "googlenet": 64, "inception_v4": 96, "inception_resnet_v2": 96, "nasnetalarge": 96,
+             "pnasnet5large": 96}
 
 
-def run_one(name: str, max_params: float) -> dict:
+def family(name: str) -> str:
+    """A timm model's sub-family: its leading word, version included (``mobilenetv3``)."""
+    bare = re.sub(r"^(tf|legacy|gluon|timm)_", "", name)
+    found = re.match(r"[a-z]+(?:v\d+)?", bare)
+    return found.group(0) if found else bare
+
+
+def model_list(cache: Path) -> list[dict]:
+    """The models of the table (cached in ``cache``: building every timm model takes minutes)."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    import timm
+    import torchvision
+
+    def params(make) -> int | None:
+        try:
+            with torch.device("meta"):
+                return sum(p.numel() for p in make().parameters())
+        except Exception:  # noqa: BLE001 - a model that does not build is left out, and said
+            return None
+
+    chosen = {}
+    for module in sorted(timm.list_modules()):
+        for name in timm.list_models(module=module):
+            fam = family(name)
+            if fam == "test":
+                continue
+            n = params(lambda: timm.create_model(name, pretrained=False, num_classes=10))
+            key = (module, fam)
+            if n is not None and (key not in chosen or n < chosen[key]["params"]):
+                kind = "transformer" if module in TRANSFORMER_MODULES else "cnn"
+                chosen[key] = {"model": f"timm:{name}", "kind": kind, "family": f"{module}/{fam}", "params": n}
+    rows = sorted(chosen.values(), key=lambda r: r["family"])
+    for name in torchvision.models.list_models(module=torchvision.models):
+        n = params(lambda: torchvision.models.get_model(name, weights=None, num_classes=10))
+        rows.append({"model": f"torchvision:{name}", "kind": "torchvision", "family": name, "params": n})
+    cache.write_text(json.dumps(rows, indent=0))
+    return rows
+
+
+def onnx_difference(tier: torch.nn.Module, x: torch.Tensor) -> float:
+    """Max |difference| between ``tier`` and its ONNX file under onnxruntime, relative to scale."""
+    import onnxruntime as ort
+
+    from nefl_zoo.export.onnx_file import write_onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tier.onnx"
+        write_onnx(tier, path, tuple(x.shape[1:]), x.shape[0], False, None)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = tier(x)
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1.0)
+
+
+def run_one(entry: dict) -> dict:
     from nefl_zoo.models import count_params, create_model
     from nefl_zoo.nest.plan import _PLANS
     from nefl_zoo.nest.sources import NestError
-    from nefl_zoo.nest.verify import zeroed_parity
+    from nefl_zoo.nest.verify import randomise_zeros, zeroed_parity
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
 
-    size = BIG_INPUT.get(name.split(":")[1], SMALL_INPUT)
-    args = {"num_classes": 10, "img_size": size}
-    row = {"model": name}
+    name = entry["model"]
+    row = dict(entry)
     start = time.perf_counter()
     try:
+        size = fixed_size(name) or BIG_INPUT.get(name.split(":")[1], SMALL_INPUT)
+        args = {"num_classes": 10, "img_size": size}
         with torch.device("meta"):
             full = create_model(name, **args)
+            half = create_model(name, **args, gamma_w=0.5)
         row["build_s"] = round(time.perf_counter() - start, 2)
-        row["params"] = count_params(full)
-        row["blocks"] = sum(full.stage_depths)
-        row["unskippable"] = len(full.plan.unskippable)
-        row["channel_norms"] = bool(full.plan.channels.channel_stats)
-        row["gamma_w"] = width_for(full.plan, 0.5)
-        with torch.device("meta"):
-            row["ratio"] = round(count_params(create_model(name, **args, gamma_w=row["gamma_w"])) / row["params"], 4)
-        if row["params"] <= max_params:
-            steps = [[0.0 if j % 2 else 1.0 for j in range(d)] for d in full.stage_depths] or None
-            spec = parse_spec({"model": name, "model_args": args, "tiers": [{"name": "t", "gamma_w": 0.5, "steps": steps}]})
-            torch.manual_seed(0)
-            x = torch.randn(2, 3, size, size)
-            compiled = compile_spec(spec)
-            diff = zeroed_parity(compiled, "t", x)
-            with torch.no_grad():
-                scale = float(compiled["t"].build().eval()(x).abs().max()) or 1.0
-            row["zeroed_diff"] = diff / max(scale, 1.0)
-        row["nests"] = "yes" if row["blocks"] else "width only"
+        row["size"] = size
+        row["blocks"], row["unskippable"] = sum(full.stage_depths), len(full.plan.unskippable)
+        row["inexact_norms"] = len(full.plan.inexact_norms)
+        row["kept_whole"] = len(full.plan.channels.kept_whole)
+        row["attention"] = full.plan.channels.attention
+        row["ratio"] = round(count_params(half) / count_params(full), 4)
+        steps = [[0.0 if j % 2 else 1.0 for j in range(d)] for d in full.stage_depths] or None
+        spec = parse_spec({"model": name, "model_args": args, "tiers": [{"name": "t", "gamma_w": 0.5, "steps": steps}]})
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, size, size)
+        compiled = compile_spec(spec)
+        tier = randomise_zeros(compiled["t"].build().eval())
+        with torch.no_grad():
+            scale = float(tier(x).abs().max())
+        row["zeroed_diff"] = zeroed_parity(compiled, "t", x) / max(scale, 1.0)
+        row["onnx_diff"] = onnx_difference(tier, x)
+        exact = row["zeroed_diff"] <= EXACT
+        row["class"] = "exact" if exact else "inexact by construction" if row["inexact_norms"] else "NOT EXACT"
     except NestError as exc:
-        row["nests"], row["reason"] = "no", str(exc)
+        row["class"], row["reason"] = "refused", str(exc)
     except Exception as exc:  # noqa: BLE001 - reported in the table, never hidden
-        row["nests"], row["reason"] = "no", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        row["class"], row["reason"] = "crash", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     row["total_s"] = round(time.perf_counter() - start, 2)
     _PLANS.clear()
     gc.collect()
     return row
 
 
-def width_for(plan, gamma: float) -> float:
-    """``gamma_w`` (0.001 grid) whose width-only parameter ratio is closest to ``gamma``,
-    counted from the plan's kept channels (bisection; the count grows with ``gamma_w``)."""
-    import math
+def fixed_size(name: str) -> int | None:
+    """The input size a network requires (timm's ``fixed_input_size``, torchvision's ViTs)."""
+    from nefl_zoo.nest.plan import _fixed_size
+    from nefl_zoo.nest.sources import construct, library_source
 
-    shapes = plan.param_shapes
-
-    def params(gamma_w: float) -> int:
-        keep = plan.keep(gamma_w, 1)
-        total = 0
-        for key, shape in shapes.items():
-            index = plan.index(key, keep)
-            total += math.prod(n if i is None else (i.stop if isinstance(i, slice) else len(i))
-                               for i, n in zip(index, shape)) if index else math.prod(shape)
-        return total
-
-    full = params(1.0)
-    lo, hi = 1, 1000
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (mid + 1, hi) if params(mid / 1000) / full < gamma else (lo, mid)
-    return min((lo, max(1, lo - 1)), key=lambda k: abs(params(k / 1000) / full - gamma)) / 1000
+    source = library_source(name, 10, 3)
+    with torch.device("meta"):
+        return _fixed_size(source, construct(source))
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | nests? | skippable blocks (not) | params ratio at γ=0.5 (γ_W) | zeroed max diff | build s |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["nests"] == "no":
-            lines.append(f"| `{r['model']}` | no: {r['reason'].replace('|', '/')} | | | | |")
-            continue
-        exact = "-" if "zeroed_diff" not in r else f"{r['zeroed_diff']:.0e}"
-        note = " (norm over channels)" if r.get("channel_norms") else ""
-        lines.append(f"| `{r['model']}` | {r['nests']}{note} | {r['blocks']} ({r['unskippable']}) | "
-                     f"{r['ratio']:.3f} ({r['gamma_w']:g}) | {exact} | {r['build_s']:.1f} |")
+    lines = []
+    for kind, title in (("cnn", "timm, CNN-like"), ("transformer", "timm, transformers"), ("torchvision", "torchvision")):
+        part = [r for r in rows if r["kind"] == kind and r["class"] != "skipped"]
+        skipped = [r["model"] for r in rows if r["kind"] == kind and r["class"] == "skipped"]
+        nests = sum(r["class"] in ("exact", "inexact by construction") for r in part)
+        lines += [f"**{title}: {nests} of {len(part)} nest** "
+                  f"({sum(r['class'] == 'exact' for r in part)} exactly)", "",
+                  "| model | class | params | ratio at γ_W 0.5 | skippable blocks | zeroed diff | ONNX diff |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        if skipped:
+            lines[-4] += f"; over 100M parameters, not run: {', '.join(f'`{m}`' for m in skipped)}"
+        for r in part:
+            if r["class"] in ("refused", "crash"):
+                lines.append(f"| `{r['model']}` | {r['class']}: {r.get('reason', '').replace('|', '/')} | {r['params'] / 1e6:.1f}M | | | | |")
+                continue
+            whole = f", {r['kept_whole']} layers kept whole" if r.get("kept_whole") else ""
+            lines.append(f"| `{r['model']}` | {r['class']}{whole} | {r['params'] / 1e6:.1f}M | {r['ratio']:.3f} | "
+                         f"{r['blocks']} | {r['zeroed_diff']:.0e} | {r['onnx_diff']:.0e} |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/autonest.jsonl"))
-    parser.add_argument("--table", action="store_true", help="print the markdown table of --out")
+    parser.add_argument("--models", type=Path, default=Path("benchmarks/autonest_models.json"),
+                        help="the model list (written on first use)")
+    parser.add_argument("--table", action="store_true", help="print the markdown tables of --out")
     parser.add_argument("--only", nargs="*", help="model names (torchvision:NAME / timm:NAME)")
-    parser.add_argument("--max-params", type=float, default=30e6, help="exactness check below this many parameters")
     args = parser.parse_args()
     done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     if args.table:
         print(table(done))
         return
     torch.set_num_threads(1)
-    import torchvision
-
-    names = args.only or [f"torchvision:{n}" for n in torchvision.models.list_models(module=torchvision.models)
-                          if not n.startswith(NOT_CNN)] + [f"timm:{n}" for n in TIMM]
+    entries = model_list(args.models)
+    if args.only:
+        entries = [e for e in entries if e["model"] in args.only]
     seen = {r["model"] for r in done}
-    for name in names:
-        if name in seen:
+    for entry in entries:
+        if entry["model"] in seen:
             continue
-        row = run_one(name, args.max_params)
+        if entry["params"] is None or entry["params"] > MAX_PARAMS:
+            row = {**entry, "class": "skipped", "reason": "over 100M parameters" if entry["params"] else "does not build"}
+        else:
+            row = run_one(entry)
         print(json.dumps(row), flush=True)
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -121,12 +121,17 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return norm(where, target, m, x)
             out = m(*_meta_args(args), **_meta_args(kwargs))
             if any(True for _ in m.parameters(recurse=True)):
-                if not (isinstance(out, torch.Tensor) and out.shape == x.shape):
+                first = out[0] if isinstance(out, tuple) and out else out  # nn.MultiheadAttention: (output, weights)
+                if not (isinstance(first, torch.Tensor) and first.shape == x.shape):
                     raise NestError(f"{where}: a layer with parameters that nesting does not know")
                 ch.kept_whole.append(where)  # untouched: its channels (and all tied to them) keep their width
-                ch.fixed.update(int(i) for i in x.unique().tolist() if i >= 0)
+                for a in (*args, *kwargs.values()):
+                    if isinstance(a, torch.Tensor):
+                        ch.fixed.update(int(i) for i in a.unique().tolist() if i >= 0)
                 for key, value in [*m.named_parameters(target), *m.named_buffers(target)]:
                     ch.dims[key] = [None] * value.ndim
+                if isinstance(out, tuple):
+                    return (x, *[torch.full(o.shape, -1, dtype=torch.long) if isinstance(o, torch.Tensor) else o for o in out[1:]])
                 return x
             if isinstance(m, nn.Flatten) or isinstance(m, nn.Unflatten):
                 return m(x)
@@ -235,7 +240,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return unfolded(x, lambda v: target(v, *args[1:], **kwargs))
             if name == "fold":
                 return folded(x, lambda v: target(v, *args[1:], **kwargs), where)
-            if n.op == "call_function" and isinstance(target, types.FunctionType) and not target.__module__.startswith("torch"):
+            if n.op == "call_function" and isinstance(target, types.FunctionType) and target.__module__.split(".")[0] != "torch":
                 return opaque(target, args, kwargs, where)  # a function the tracer kept whole (timm's window_reverse)
             raise NestError(f"{where}: an operation nesting does not know")
 

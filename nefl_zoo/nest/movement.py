@@ -72,7 +72,10 @@ def folded(x: torch.Tensor, fold, where: str) -> torch.Tensor:
 
 def opaque(target, args, kwargs, where: str):
     """A function the tracer kept whole, run on the ids: accepted where it only moves them."""
-    out = target(*args, **kwargs)
+    try:
+        out = target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - it computes with the ids (a layer inside), not only moves them
+        raise NestError(f"{where}: a function the tracer keeps whole that nesting does not know") from None
     ids = torch.cat([a.reshape(-1) for a in args if isinstance(a, torch.Tensor)] + [torch.tensor([-1])])
     for leaf in torch.utils._pytree.tree_leaves(out):
         if isinstance(leaf, torch.Tensor) and not bool(torch.isin(leaf.unique(), ids).all()):

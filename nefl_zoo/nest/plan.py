@@ -55,6 +55,13 @@ class NestPlan:
     tried: set = field(default_factory=set)  # tiers (kept ids, steps) whose first forward ran on meta
 
     @property
+    def inexact_norms(self) -> list[str]:
+        """Norms whose statistics span channels a tier narrows (GroupNorm, a CNN's LayerNorm):
+        the tier nests them, but not as the global model with those channels zeroed."""
+        return [where for where, ids in self.channels.channel_stats
+                if len(ids) and not self.group_fixed[int(self.group_of[self.roots[ids[0]]])]]
+
+    @property
     def stage_depths(self) -> tuple[int, ...]:
         return tuple(sum(1 for b in self.blocks if b.stage == s) for s in range(len(self.stage_modules)))
 
@@ -212,7 +219,9 @@ def _fixed_size(source: Source, model) -> int | None:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if cfg.get("fixed_input_size") and cfg.get("input_size"):
         return cfg["input_size"][-1]
-    size = getattr(model, "image_size", None) if source.name.startswith("torchvision:") else None
+    if not source.name.startswith("torchvision:"):
+        return None
+    size = 224 if type(model).__name__ == "MaxVit" else getattr(model, "image_size", None)  # MaxViT: partitions of 224
     return size if isinstance(size, int) else None
 
 

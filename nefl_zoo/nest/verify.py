@@ -11,8 +11,9 @@ def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
     """Max |difference| between ``tier``'s slim module and the global model whose tensors are
     all zero except the tier's (placed through the compiler's slice map; BatchNorm variance 1
     elsewhere). Zero up to rounding means the removed channels and blocks contribute nothing.
-    The tier's BatchNorm statistics are randomised first, so that they are tested too."""
-    slim = compiled[tier].build().eval()
+    The tier's BatchNorm statistics and its parameters initialised to zero (a zero-initialised
+    head, layer scale at zero) are randomised first, so that they are tested too."""
+    slim = randomise_zeros(compiled[tier].build().eval())
     for m in slim.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
             m.running_mean.uniform_(-1, 1)
@@ -33,6 +34,16 @@ def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
         state[key].zero_()
     full.load_state_dict(state)
     return float((full(x) - slim(x)).abs().max())
+
+
+@torch.no_grad()
+def randomise_zeros(module: nn.Module) -> nn.Module:
+    """``module`` with every all-zero floating parameter (a zero-initialised head or layer
+    scale, which would hide a wrong slice) filled with small random values; returns it."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.numel() > 1 and not bool(p.any()):
+            p.normal_(0, 0.02)
+    return module
 
 
 def _mesh(index: tuple) -> tuple:

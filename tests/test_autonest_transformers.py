@@ -1,0 +1,205 @@
+"""Automatic nesting of transformers (issue 30, item 2): whole heads, MLP hidden units and depth,
+with the embedding (and so every LayerNorm) kept whole, exact under the zero-embedding check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nefl_zoo.models import count_params, create_model
+from nefl_zoo.nest import NestError, nest
+from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.slim import compile_spec
+from nefl_zoo.spec import parse_spec
+
+
+def shape(module: nn.Module, key: str) -> tuple[int, ...]:
+    return tuple(module.state_dict()[key].shape)
+
+
+def tiers(name: str, gamma_w: float, steps=None, model_args: dict | None = None):
+    spec = {"model": name, "tiers": [{"name": "narrow", "gamma_w": gamma_w, "steps": steps}, {"name": "full"}]}
+    return compile_spec(parse_spec(spec | ({"model_args": model_args} if model_args else {})))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with a query/key norm over each head's dimensions; ``bias``: a
+    relative position table per head, gathered by an index buffer and added to the scores."""
+
+    def __init__(self, dim: int, heads: int, tokens: int, bias: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
+        self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads)) if bias else None
+        self.register_buffer("index", torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :] + tokens - 1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.table is None:
+            x = nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            scores = (q * self.head_dim ** -0.5) @ k.transpose(-2, -1)
+            scores = scores + self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+            x = scores.softmax(-1) @ v
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, tokens: int, bias: bool):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, tokens, bias)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))  # layer scale
+        self.gain = nn.Parameter(torch.ones(1))  # one scalar over every channel: kept whole
+
+    def forward(self, x):
+        x = x + self.gamma * self.attn(self.norm1(x))
+        return x + self.gain * self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Patches, a class token, position embeddings, one block with fused attention and one
+    with a relative position bias, class-token pooling."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.patch = nn.Conv2d(1, dim, 4, 4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, dim))
+        self.blocks = nn.Sequential(Block(dim, heads, 5, False), Block(dim, heads, 5, True))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 3)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    net = TinyTransformer().eval()
+    return net, tiers(nest(net, (1, 1, 8, 8), name="tiny_transformer"), 0.5, [[1, 1, 1, 0]])
+
+
+@torch.no_grad()
+def test_a_transformer_nests_by_whole_heads_and_mlp_units_with_its_embedding_whole(tiny):
+    net, compiled = tiny
+    x = torch.randn(2, 1, 8, 8)
+    assert torch.equal(compiled.create_global_model().eval()(x), net(x))  # the user's weights
+    narrow = compiled["narrow"].build()
+    heads, hidden = math.ceil(4 * math.sqrt(0.5)), math.ceil(32 * math.sqrt(0.5))  # 3 of 4 heads, 23 of 32 units
+    assert shape(narrow, "blocks.0.attn.qkv.weight") == (3 * heads * 4, 16)
+    assert shape(narrow, "blocks.0.attn.proj.weight") == (16, heads * 4)
+    assert shape(narrow, "blocks.0.fc1.weight") == (hidden, 16)
+    assert shape(narrow, "blocks.1.attn.table") == (9, heads)  # the relative position table: by heads
+    # the embedding, every LayerNorm (q/k norms over a head's dimensions too), the class token,
+    # the position embedding, the layer scale and the scalar gain stay whole
+    assert shape(narrow, "cls_token") == (1, 1, 16) and shape(narrow, "pos_embed") == (1, 5, 16)
+    assert shape(narrow, "blocks.0.norm1.weight") == (16,) and shape(narrow, "blocks.0.attn.q_norm.weight") == (4,)
+    assert shape(narrow, "blocks.0.gamma") == (16,) and shape(narrow, "blocks.0.gain") == (1,)
+    # q, k and v of the kept heads: the first 3 heads of each
+    rows = compiled["narrow"].slice_map["blocks.0.attn.qkv.weight"].index[0].tolist()
+    assert rows == [part * 16 + i for part in range(3) for i in range(heads * 4)]
+    assert "blocks.1.fc1.weight" not in narrow.state_dict()  # the second block's MLP branch removed
+    assert zeroed_parity(compiled, "narrow", x) < 1e-6
+
+
+def test_a_transformer_tier_exports_to_onnx_with_equal_logits(tiny, tmp_path):
+    import onnxruntime as ort
+
+    from nefl_zoo.export.onnx_file import write_onnx
+
+    tier = tiny[1]["narrow"].build().eval()
+    write_onnx(tier, tmp_path / "t.onnx", (1, 8, 8), 2, False, None)
+    x = torch.randn(2, 1, 8, 8)
+    session = ort.InferenceSession(str(tmp_path / "t.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        assert torch.allclose(torch.from_numpy(got), tier(x), atol=1e-5)
+
+
+class TalkingHeads(nn.Module):
+    """Attention whose heads a linear layer mixes (CaiT): q/k heads and v heads nest apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.mix, self.proj = nn.Linear(8, 24), nn.Linear(4, 4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = x.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(x).reshape(x.shape[0], -1, 3, 4, 2).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = self.mix((q @ k.transpose(-2, -1)).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(x.shape[0], -1, 8)).mean(1)
+
+
+def test_heads_that_a_layer_mixes_are_refused_when_narrowed_in_one_line():
+    name = nest(TalkingHeads(), (1, 8, 2, 2), name="talking_heads")
+    create_model(name)  # full width: nothing to cut
+    with pytest.raises(NestError, match=r"^reshape: a view that splits the channels into several dimensions "
+                                        r"\(heads\) of narrowed channels$"):
+        create_model(name, gamma_w=0.5)
+
+
+class Mixer(nn.Module):
+    """MLP-Mixer's token mixing (a linear over the tokens, shared by every channel) and a
+    depthwise convolution with a channel multiplier (8 -> 16 channels in 8 groups)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.dw = nn.Conv2d(1, 8, 1), nn.Conv2d(8, 16, 3, padding=1, groups=8)
+        self.bn = nn.BatchNorm2d(16)
+        self.tokens, self.channels = nn.Linear(16, 16), nn.Linear(16, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        x = self.bn(self.dw(self.stem(x))).flatten(2)  # (B, 16 channels, 16 tokens)
+        x = x + self.tokens(x)  # mixes tokens
+        return self.head(torch.relu(self.channels(x.transpose(1, 2))).mean(1))
+
+
+def test_token_mixing_and_a_depthwise_multiplier_nest_exactly_by_whole_groups():
+    torch.manual_seed(0)
+    compiled = tiers(nest(Mixer().eval(), (1, 1, 4, 4), name="mixer_net"), 0.5)
+    narrow = compiled["narrow"].build()
+    # 6 of the 8 input channels (ceil(8 sqrt(0.5))), each with both of its outputs: 12 of 16
+    assert narrow.dw.weight.shape == (12, 1, 3, 3) and narrow.dw.groups == 6 and narrow.bn.weight.shape == (12,)
+    assert narrow.tokens.weight.shape == (16, 16)  # over tokens: whole
+    assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 4, 4)) < 1e-6
+
+
+def test_the_zoo_vit_by_heads_and_timm_vit_nested_automatically_have_equal_parameter_counts():
+    for gamma_w in (1.0, 0.5, 0.3):
+        with torch.device("meta"):
+            zoo = create_model("vit_tiny_16", num_classes=10, width="heads", gamma_w=gamma_w,
+                               steps=[[0.0 if i % 3 == 0 else 1.0 for i in range(12)]])
+            timm = create_model("timm:vit_tiny_patch16_224", num_classes=10, gamma_w=gamma_w,  # a step per branch
+                                steps=[[0.0 if i // 2 % 3 == 0 else 1.0 for i in range(24)]])
+        assert count_params(zoo) == count_params(timm)
+
+
+@torch.no_grad()
+def test_timms_vit_nests_exactly_and_its_full_tier_is_timms_model_with_timms_weights():
+    import timm
+
+    from nefl_zoo.models import load_pretrained
+
+    torch.manual_seed(0)
+    compiled = tiers("timm:vit_tiny_patch16_224", 0.3, [[0.0 if i % 4 == 3 else 1.0 for i in range(24)]],
+                     {"num_classes": 10})
+    narrow = compiled["narrow"].build()
+    assert shape(narrow, "blocks.0.attn.qkv.weight") == (3 * 2 * 64, 192)  # 2 of 3 heads, whole
+    assert shape(narrow, "blocks.0.mlp.fc1.weight") == (421, 192)  # ceil(768 sqrt(0.3))
+    x = torch.randn(2, 3, 224, 224)
+    assert zeroed_parity(compiled, "narrow", x) < 1e-5
+    theirs = timm.create_model("vit_tiny_patch16_224", num_classes=10).eval()
+    ours = compiled.create_global_model().eval()
+    load_pretrained(ours, theirs.state_dict())
+    assert torch.equal(ours(x), theirs(x))
