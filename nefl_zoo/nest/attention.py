@@ -41,8 +41,13 @@ def contract(ch, a: torch.Tensor, b: torch.Tensor, where: str) -> torch.Tensor:
     """Ids of ``a @ b`` (two activations, ``(..., M, K) @ (..., K, N)``)."""
     if a.ndim < 2 or b.ndim < 2:
         raise NestError(f"{where}: a product of vectors")
-    if bool(element_mask(ch, a).all()) or bool(element_mask(ch, b).all()):
-        raise NestError(f"{where}: a matrix product with a parameter (nesting needs nn.Linear)")
+    if bool(element_mask(ch, b).all()) or bool(element_mask(ch, a).all()):  # relative position embeddings
+        act, param, dim = (a, b, -1) if bool(element_mask(ch, b).all()) else (b, a, -2)
+        ch.shared.update(int(i) for i in param.unique())  # shared by every head: whole; the rows it meets join
+        rep = act.amax(dim, keepdim=True)
+        ch.union(act, rep)
+        shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        return rep.expand(shape)
     ch.attention = True
     row = a.amax(-1, keepdim=True)
     col = b.amax(-2, keepdim=True)
@@ -79,6 +84,33 @@ def einsum(ch, equation: str, operands: list[torch.Tensor], where: str) -> torch
     chosen = next((r for r, w in zip(reversed(reps), reversed(whole)) if w), reps[0])
     shape = torch.broadcast_shapes(*[r.shape for r in reps])
     return chosen.expand(shape)
+
+
+def self_attention(m, args, kwargs) -> bool:
+    """Whether an ``nn.MultiheadAttention`` call is plain self-attention with packed q, k, v
+    projections (what :func:`multihead` nests by heads)."""
+    inputs = [*args[:3], *[kwargs[k] for k in ("query", "key", "value") if k in kwargs]]
+    return (len(inputs) == 3 and inputs[0] is inputs[1] is inputs[2] and m._qkv_same_embed_dim and m.bias_k is None
+            and not m.add_zero_attn and kwargs.get("attn_mask") is None and kwargs.get("key_padding_mask") is None)
+
+
+def multihead(ch, owner: str, m, x: torch.Tensor, where: str):
+    """Ids of ``nn.MultiheadAttention`` (self-attention): the packed q, k, v projection's
+    outputs of each head are one class, the output projection reads v's."""
+    from .ids import channel_vector, spread
+
+    vec = channel_vector(x, x.ndim - 1, where, ch, shared=True)
+    qkv = ch.new(f"{owner}.in_proj_weight", 3 * m.embed_dim)
+    heads = qkv.view(3, m.num_heads, m.head_dim)
+    ch.union(heads, heads[:1, :, :1])
+    out = ch.new(f"{owner}.out_proj.weight", m.embed_dim)
+    ch.dims[f"{owner}.in_proj_weight"], ch.dims[f"{owner}.out_proj.weight"] = [qkv, vec], [out, heads[2].reshape(-1)]
+    if m.in_proj_bias is not None:
+        ch.dims[f"{owner}.in_proj_bias"] = [qkv]
+    if m.out_proj.bias is not None:
+        ch.dims[f"{owner}.out_proj.bias"] = [out]
+    ch.attention = True
+    return spread(out, x.shape, x.ndim - 1), None
 
 
 def attention(ch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, where: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ import types
 import torch
 from torch import nn
 
-from .attention import attention, contract, einsum, gather, unite
+from .attention import attention, contract, einsum, gather, multihead, self_attention, unite
 from .ids import Channels, _meta_args, channel_vector, meta_like, shared_rows, spread, varies
 from .movement import folded, opaque, pad, record_move, unfolded
 from .sources import NestError
@@ -119,6 +119,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return folded(x, m, where)
             if isinstance(m, NORMS):
                 return norm(where, target, m, x)
+            if isinstance(m, nn.MultiheadAttention) and self_attention(m, args, kwargs):
+                return multihead(ch, target, m, x, where)
             out = m(*_meta_args(args), **_meta_args(kwargs))
             if any(True for _ in m.parameters(recurse=True)):
                 first = out[0] if isinstance(out, tuple) and out else out  # nn.MultiheadAttention: (output, weights)
@@ -236,6 +238,10 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return einsum(ch, args[0], [a for a in args[1:] if isinstance(a, torch.Tensor)] or list(args[1]), where)
             if name in ("addcmul", "addcdiv"):
                 return unite(ch, unite(ch, tensors[0], tensors[1]), tensors[2])
+            if name == "unfold" and n.op == "call_method":  # Tensor.unfold(dim, size, step): sliding windows
+                if varies(x, args[1] % x.ndim):
+                    raise NestError(f"{where}: windows along the channels")
+                return x.unfold(*args[1:], **kwargs)
             if name == "unfold":  # F.unfold: positions move, as nn.Unfold
                 return unfolded(x, lambda v: target(v, *args[1:], **kwargs))
             if name == "fold":

@@ -5,6 +5,7 @@ the graph re-cut; a tier with data runs once on meta tensors first (:func:`dry_r
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch import nn
@@ -64,10 +65,33 @@ def cut_channels(gm: torch.fx.GraphModule, plan: NestPlan, keep: torch.Tensor) -
                 module._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)
             else:
                 module._buffers[name] = value
-    for prefix, module in gm.named_modules():
+    for prefix, module in list(gm.named_modules()):
         _retell(prefix, module, plan)
+        if isinstance(module, nn.MultiheadAttention) and module.in_proj_weight.shape[0] != 3 * module.embed_dim:
+            parent, _, leaf = prefix.rpartition(".")
+            setattr(gm.get_submodule(parent), leaf, HeadsAttention(module))
     _patch_functions(gm, plan)
     return where
+
+
+class HeadsAttention(nn.Module):
+    """``nn.MultiheadAttention`` (self-attention) keeping some of its heads: the same tensors
+    (``in_proj_weight``, ``in_proj_bias``, ``out_proj``), the embedding whole."""
+
+    def __init__(self, m: nn.MultiheadAttention):
+        super().__init__()
+        self.in_proj_weight, self.in_proj_bias, self.out_proj = m.in_proj_weight, m.in_proj_bias, m.out_proj
+        self.head_dim, self.batch_first, self.dropout = m.head_dim, m.batch_first, m.dropout
+        self.num_heads = m.in_proj_weight.shape[0] // (3 * m.head_dim)
+
+    def forward(self, query: torch.Tensor, key=None, value=None, **kwargs):
+        x = query if self.batch_first else query.transpose(0, 1)
+        b, n, _ = x.shape
+        qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        out = self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return (out if self.batch_first else out.transpose(0, 1)), None
 
 
 def _retell(prefix: str, m: nn.Module, plan: NestPlan) -> None:
@@ -135,7 +159,9 @@ def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
             sizes = list(n.args[1] if packed else n.args[1:])
             if len(sizes) == len(n.meta["nest_shape"]):
                 for d, count in zip(dims, split_sizes(keep, grid)):
-                    if isinstance(sizes[d], torch.fx.Node) or (isinstance(sizes[d], int) and sizes[d] >= 0):
+                    if isinstance(sizes[d], torch.fx.Node) and _from_batch(sizes[d]):
+                        sizes[d] = _per_batch(gm, n, sizes[d], count, n.meta["nest_shape"][d])
+                    elif isinstance(sizes[d], torch.fx.Node) or (isinstance(sizes[d], int) and sizes[d] >= 0):
                         sizes[d] = count
             n.args = (n.args[0], tuple(sizes)) if packed else (n.args[0], *sizes)
         if "nest_cut" not in n.meta:
@@ -163,6 +189,37 @@ def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
                 raise NestError(f"{n.name}: a channel {name} leaves a part without channels")
             n.target = torch.split if n.op == "call_function" else "split"
             n.args, n.kwargs = (src, slim), {"dim": d}
+
+
+def _from_batch(node: torch.fx.Node) -> bool:
+    """Whether a size computed in the graph depends on a tensor's first dimension (the batch)."""
+    from .residual import _ancestors
+
+    return any(_batch_size(a) for a in (node, *_ancestors(node)))
+
+
+def _batch_size(a: torch.fx.Node) -> bool:
+    """``x.shape[0]`` / ``x.size(0)``."""
+    if a.op == "call_method" and a.target == "size":
+        return a.args[1:2] == (0,)
+    if a.op == "call_function" and a.target is operator.getitem and a.args[1] == 0:
+        shape = a.args[0]
+        return isinstance(shape, torch.fx.Node) and (shape.op == "call_function" and shape.target is getattr and
+                                                     shape.args[1] == "shape" or shape.op == "call_method" and shape.target == "size")
+    return False
+
+
+def _per_batch(gm: torch.fx.GraphModule, view: torch.fx.Node, size: torch.fx.Node, count: int, full: int):
+    """A view's size that holds the batch and ``full`` heads at the analysis's batch of one:
+    ``x.shape[0]`` of a tensor that already holds the kept heads stays; ``batch * heads``
+    becomes ``batch * count``; any other form is refused."""
+    if count == full or _batch_size(size):
+        return size
+    if size.op == "call_function" and size.target is operator.mul and full in size.args:
+        with gm.graph.inserting_before(view):
+            batch = size.args[0] if size.args[1] == full else size.args[1]
+            return gm.graph.call_function(operator.mul, (batch, count))
+    raise NestError(f"{view.name}: a view that merges the batch with narrowed channels")
 
 
 def build_graph(plan: NestPlan, keep: torch.Tensor, steps: list[list[float]], device: torch.device):
