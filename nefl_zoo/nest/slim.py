@@ -192,10 +192,17 @@ def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
 
 
 def _from_batch(node: torch.fx.Node) -> bool:
-    """Whether a size computed in the graph depends on a tensor's first dimension (the batch)."""
-    from .residual import _ancestors
-
-    return any(_batch_size(a) for a in (node, *_ancestors(node)))
+    """Whether a size computed in the graph depends on a tensor's first dimension (the batch):
+    followed through size arithmetic, not through tensors."""
+    todo, seen = [node], {node}
+    while todo:
+        a = todo.pop()
+        if _batch_size(a):
+            return True
+        fresh = [i for i in a.all_input_nodes if "nest_shape" not in i.meta and i not in seen]
+        seen.update(fresh)
+        todo += fresh
+    return False
 
 
 def _batch_size(a: torch.fx.Node) -> bool:
