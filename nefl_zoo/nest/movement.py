@@ -71,16 +71,23 @@ def folded(x: torch.Tensor, fold, where: str) -> torch.Tensor:
     return mean.round().long() - 1
 
 def opaque(target, args, kwargs, where: str):
-    """A function the tracer kept whole, run on the ids: accepted where it only moves them."""
-    try:
-        out = target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - it computes with the ids (a layer inside), not only moves them
-        raise NestError(f"{where}: a function the tracer keeps whole that nesting does not know") from None
+    """A function the tracer kept whole, run on the ids (in float64 where it needs floats, an
+    interpolation): accepted where every output is an id of its inputs (it only moves them)."""
     ids = torch.cat([a.reshape(-1) for a in args if isinstance(a, torch.Tensor)] + [torch.tensor([-1])])
-    for leaf in torch.utils._pytree.tree_leaves(out):
-        if isinstance(leaf, torch.Tensor) and not bool(torch.isin(leaf.unique(), ids).all()):
-            raise NestError(f"{where}: an operation nesting does not know")
-    return out
+    for as_float in (False, True):
+        try:
+            cast = (lambda a: (a + 1).double() if isinstance(a, torch.Tensor) else a) if as_float else (lambda a: a)  # noqa: E731
+            out = target(*[cast(a) for a in args], **kwargs)
+        except Exception:  # noqa: BLE001 - it computes with the ids (a layer inside), not only moves them
+            continue
+        if as_float:
+            out = torch.utils._pytree.tree_map(
+                lambda t: t.round().long() - 1 if isinstance(t, torch.Tensor) and bool(((t - t.round()).abs() < 1e-6).all()) else t, out)
+        if all(not isinstance(t, torch.Tensor) or (t.dtype == torch.long and bool(torch.isin(t.unique(), ids).all()))
+               for t in torch.utils._pytree.tree_leaves(out)):
+            return out
+    raise NestError(f"{where}: a function the tracer keeps whole that nesting does not know")
+
 
 def pad(x: torch.Tensor, pads, where: str, out: torch.Size) -> torch.Tensor:
     """Padding along dimensions that carry no channels: the ids are spread over the pad."""

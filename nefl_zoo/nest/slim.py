@@ -115,6 +115,14 @@ def _retell(prefix: str, m: nn.Module, plan: NestPlan) -> None:
         m.num_channels, m.num_groups = m.weight.shape[0], m.weight.shape[0] // per
 
 
+def _tensor(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
+    """A parameter or buffer of ``gm`` (a fixed filter: a buffer used as a weight)."""
+    try:
+        return gm.get_parameter(target)
+    except AttributeError:
+        return gm.get_buffer(target)
+
+
 def _patch_functions(gm: torch.fx.GraphModule, plan: NestPlan) -> None:
     """Widths written into the graph as constants: a functional convolution's groups, a
     functional layer norm's shape."""
@@ -126,7 +134,7 @@ def _patch_functions(gm: torch.fx.GraphModule, plan: NestPlan) -> None:
         name = op_name(n)
         if name in ("conv1d", "conv2d", "conv3d") and n.args[1].target in plan.channels.convs:
             groups, _, cout = plan.channels.convs[n.args[1].target]
-            w = gm.get_parameter(n.args[1].target)
+            w = _tensor(gm, n.args[1].target)
             args = list(n.args) + [None] * (7 - len(n.args))
             if len(n.args) > 6:
                 args[6] = w.shape[0] // (cout // groups)
@@ -136,12 +144,12 @@ def _patch_functions(gm: torch.fx.GraphModule, plan: NestPlan) -> None:
         elif name == "layer_norm":
             weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
             if hasattr(weight, "target"):
-                n.args = (n.args[0], (gm.get_parameter(weight.target).shape[0],), *n.args[2:])
+                n.args = (n.args[0], (_tensor(gm, weight.target).shape[0],), *n.args[2:])
         elif name == "group_norm":  # F.group_norm(x, num_groups, weight, ...): the kept groups
             weight = n.args[2] if len(n.args) > 2 else n.kwargs.get("weight")
             if not hasattr(weight, "target") or len(n.args) < 2:
                 raise NestError(f"{n.name}: functional group norm without a weight (nesting needs nn.GroupNorm)")
-            n.args = (n.args[0], gm.get_parameter(weight.target).shape[0] // n.meta["nest_group_size"], *n.args[2:])
+            n.args = (n.args[0], _tensor(gm, weight.target).shape[0] // n.meta["nest_group_size"], *n.args[2:])
 
 
 def patch_selections(gm: torch.fx.GraphModule, keep: torch.Tensor) -> None:
