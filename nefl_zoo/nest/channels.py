@@ -106,8 +106,10 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
 
         def call_module(self, target, args, kwargs):
             m = self.module.get_submodule(target)
-            x = args[0]
+            x = args[0] if args else None
             where = f"{target} ({type(m).__name__})"
+            if not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+                return self.generated(m, target, where, args, kwargs)
             if isinstance(m, nn.modules.conv._ConvNd) and not isinstance(m, nn.modules.conv._ConvTransposeNd):
                 out_shape = m(meta_like(x)).shape
                 return conv(where, target, x, m.weight.shape[0], m.groups, m.bias is not None, out_shape)
@@ -142,6 +144,20 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             if isinstance(out, torch.Tensor) and out.shape == x.shape:
                 return x  # activations, dropout, identity
             raise NestError(f"{where}: a layer that changes the shape {tuple(x.shape)} -> nesting does not know")
+
+        def generated(self, m, target, where, args, kwargs):
+            """A layer that makes a tensor from sizes alone (a Fourier position encoding): kept
+            whole, with every channel its output meets."""
+            out = m(*args, **kwargs)
+            if not isinstance(out, torch.Tensor) or out.ndim < 2:
+                raise NestError(f"{where}: a layer with parameters that nesting does not know")
+            dim = 1 if out.ndim == 4 else out.ndim - 1
+            ids = spread(ch.new(target, out.shape[dim]), out.shape, dim)
+            ch.fixed.update(ids.unique().tolist())
+            ch.kept_whole.append(where)
+            for key, value in [*m.named_parameters(target), *m.named_buffers(target)]:
+                ch.dims[key] = [None] * value.ndim
+            return ids
 
         def call_function(self, target, args, kwargs):
             return self.function(op_name(self.node), target, args, kwargs, lambda: target(*args, **kwargs))
