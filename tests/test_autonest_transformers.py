@@ -149,8 +149,9 @@ def test_heads_that_a_layer_mixes_are_refused_when_narrowed_in_one_line():
 
 
 class Mixer(nn.Module):
-    """MLP-Mixer's token mixing (a linear over the tokens, shared by every channel) and a
-    depthwise convolution with a channel multiplier (8 -> 16 channels in 8 groups)."""
+    """MLP-Mixer's token mixing (a linear over the tokens, shared by every channel), a
+    depthwise convolution with a channel multiplier (8 -> 16 channels in 8 groups) and a
+    scalar gain over every channel (ReZero: it ties no channels together)."""
 
     def __init__(self):
         super().__init__()
@@ -158,9 +159,10 @@ class Mixer(nn.Module):
         self.bn = nn.BatchNorm2d(16)
         self.tokens, self.channels = nn.Linear(16, 16), nn.Linear(16, 12)
         self.head = nn.Linear(12, 3)
+        self.gain = nn.Parameter(torch.full((1,), 0.5))
 
     def forward(self, x):
-        x = self.bn(self.dw(self.stem(x))).flatten(2)  # (B, 16 channels, 16 tokens)
+        x = self.bn(self.dw(self.stem(x) * self.gain)).flatten(2)  # (B, 16 channels, 16 tokens)
         x = x + self.tokens(x)  # mixes tokens
         return self.head(torch.relu(self.channels(x.transpose(1, 2))).mean(1))
 
@@ -171,7 +173,7 @@ def test_token_mixing_and_a_depthwise_multiplier_nest_exactly_by_whole_groups():
     narrow = compiled["narrow"].build()
     # 6 of the 8 input channels (ceil(8 sqrt(0.5))), each with both of its outputs: 12 of 16
     assert narrow.dw.weight.shape == (12, 1, 3, 3) and narrow.dw.groups == 6 and narrow.bn.weight.shape == (12,)
-    assert narrow.tokens.weight.shape == (16, 16)  # over tokens: whole
+    assert narrow.tokens.weight.shape == (16, 16) and narrow.gain.shape == (1,)  # over tokens, over channels: whole
     assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 4, 4)) < 1e-6
 
 
@@ -203,3 +205,21 @@ def test_timms_vit_nests_exactly_and_its_full_tier_is_timms_model_with_timms_wei
     ours = compiled.create_global_model().eval()
     load_pretrained(ours, theirs.state_dict())
     assert torch.equal(ours(x), theirs(x))
+
+
+@torch.no_grad()
+def test_torchvisions_vit_nests_its_multihead_attention_by_whole_heads_exactly():
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    net = VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=4, hidden_dim=16, mlp_dim=32,
+                            num_classes=3).eval()
+    compiled = tiers(nest(net, (1, 3, 16, 16), name="torchvision_small_vit"), 0.5, [[1, 1, 1, 0]])
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(compiled.create_global_model().eval()(x), net(x))
+    narrow = compiled["narrow"].build().eval()
+    attention = narrow.get_submodule("encoder.layers.encoder_layer_0.self_attention")
+    assert type(attention).__name__ == "HeadsAttention" and attention.num_heads == 3  # ceil(4 sqrt(0.5))
+    assert shape(narrow, "encoder.layers.encoder_layer_0.self_attention.in_proj_weight") == (3 * 3 * 4, 16)
+    assert shape(narrow, "encoder.layers.encoder_layer_0.self_attention.out_proj.weight") == (16, 12)
+    assert zeroed_parity(compiled, "narrow", x) < 1e-6
