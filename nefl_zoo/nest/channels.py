@@ -172,7 +172,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             if name == "linear":  # F.linear(input, weight, bias), positional or by keyword
                 x, weight, bias = (list(args) + [None] * 3)[:3]
                 x, weight, bias = kwargs.get("input", x), kwargs.get("weight", weight), kwargs.get("bias", bias)
-                key = (n.args[1] if len(n.args) > 1 else n.kwargs["weight"]).target
+                key = weight_key(n, where)
                 bias_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
                 own_bias = getattr(bias_node, "op", None) == "get_attr" and bias_node.target == f"{key.rpartition('.')[0]}.bias"
                 out = linear(where, key.rpartition(".")[0], x, params[key].shape[0], own_bias, key)
@@ -222,7 +222,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                         res = x.amax(dim=dims, keepdim=bool(keep))
                 return (res, res) if isinstance(out, tuple) else res
             if name in ("conv1d", "conv2d", "conv3d"):
-                key = n.args[1].target
+                key = weight_key(n, where)
                 groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
                 out = native_meta(target, args, kwargs, n.op)
                 return conv(where, key.rpartition(".")[0], x, params[key].shape[0], groups, args[2] is not None if len(args) > 2 else kwargs.get("bias") is not None, out.shape, key)
@@ -265,6 +265,14 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             if n.op == "call_function" and isinstance(target, types.FunctionType) and target.__module__.split(".")[0] != "torch":
                 return opaque(target, args, kwargs, where)  # a function the tracer kept whole (timm's window_reverse)
             raise NestError(f"{where}: an operation nesting does not know")
+
+    def weight_key(n, where) -> str:
+        """The parameter a functional convolution or linear layer reads as its weight."""
+        weight = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        if getattr(weight, "op", None) != "get_attr":
+            raise NestError(f"{where}: a weight computed in the forward (weight standardisation: statistics over "
+                            "its input channels)")
+        return weight.target
 
     def native_meta(target, args, kwargs, op):
         margs, mkw = _meta_args(args), _meta_args(kwargs)

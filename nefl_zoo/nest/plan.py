@@ -271,8 +271,9 @@ def _traced_and_analysed(source: Source, model, in_chans: int, img_size: int, fi
         try:
             inner = trace(source, model, leaves=False)
             return inner, _analysed(inner, source, in_chans, img_size, fixed)
-        except NestError:
-            pass
+        except NestError as exc:  # what stops nesting inside the whole module says more, where it was traced
+            if found is None and "cannot trace" not in str(exc):
+                refused = exc
     if found is None:
         raise refused
     return gm, found
