@@ -223,3 +223,20 @@ def test_torchvisions_vit_nests_its_multihead_attention_by_whole_heads_exactly()
     assert shape(narrow, "encoder.layers.encoder_layer_0.self_attention.in_proj_weight") == (3 * 3 * 4, 16)
     assert shape(narrow, "encoder.layers.encoder_layer_0.self_attention.out_proj.weight") == (16, 12)
     assert zeroed_parity(compiled, "narrow", x) < 1e-6
+
+
+class StandardisedConv(nn.Module):
+    """A convolution whose weight is standardised in the forward (NF-Nets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 1, 3, 3))
+
+    def forward(self, x):
+        w = self.weight - self.weight.mean((1, 2, 3), keepdim=True)
+        return nn.functional.conv2d(x, w / w.std((1, 2, 3), keepdim=True)).mean((2, 3))
+
+
+def test_a_weight_standardised_in_the_forward_is_refused_naming_the_construct():
+    with pytest.raises(NestError, match=r"^conv2d \(conv2d\): a weight computed in the forward \(weight standardisation"):
+        nest(StandardisedConv(), (1, 1, 6, 6), name="standardised_conv")
