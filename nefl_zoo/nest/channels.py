@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .attention import attention, contract, einsum, gather, multihead, self_attention, unite
-from .ids import Channels, _meta_args, channel_vector, meta_like, shared_rows, spread, varies
+from .ids import Channels, _meta_args, channel_vector, meta_like, one_space, shared_rows, spread, varies
 from .movement import folded, opaque, pad, record_move, unfolded
 from .sources import NestError
 
@@ -233,8 +233,10 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 except NestError:
                     if name != "layer_norm":
                         raise
-                    shared_rows(ch, x, dim)  # the weight stays whole
-                    return x
+                    if one_space(ch, x):  # a query norm over every head: rows whole, the weight whole
+                        shared_rows(ch, x, dim)
+                        return x
+                    vec = channel_vector(x, dim, where, ch, shared=True)  # tokens from several layers
                 for a in list(args[1:]) + list(kwargs.values()):
                     if isinstance(a, torch.Tensor):
                         ch.union(a.reshape(-1), vec)
@@ -322,10 +324,13 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             try:
                 vec = channel_vector(x, x.ndim - 1, where, ch)
             except NestError:
-                shared_rows(ch, x, x.ndim - 1)  # its weight stays whole
-                for key, value in list(m.named_parameters(owner)):
-                    ch.dims[key] = [None] * value.ndim
-                return x
+                if not one_space(ch, x):  # tokens from several layers (a class token projected apart)
+                    vec = channel_vector(x, x.ndim - 1, where, ch, shared=True)
+                else:  # a query norm over every head: rows whole, the weight whole
+                    shared_rows(ch, x, x.ndim - 1)
+                    for key, value in list(m.named_parameters(owner)):
+                        ch.dims[key] = [None] * value.ndim
+                    return x
         else:
             vec = channel_vector(x, 1, where, ch)
         if isinstance(m, CHANNEL_NORMS):

@@ -75,6 +75,14 @@ def channel_vector(ids: torch.Tensor, dim: int, where: str, ch: Channels | None 
     return joined
 
 
+def one_space(ch: Channels, ids: torch.Tensor) -> bool:
+    """Whether every channel id of ``ids`` comes from one layer (the heads of one projection),
+    not from several (a class token projected apart beside the patch tokens)."""
+    bases = torch.tensor([base for _, base, _ in ch.spaces])
+    real = ids[ids >= 0].unique()
+    return len(torch.searchsorted(bases, real, right=True).unique()) <= 1
+
+
 def shared_rows(ch: Channels, ids: torch.Tensor, dim: int) -> None:
     """A layer norm whose weight is shared by rows holding different channels (a query norm
     over every head): each row is kept or removed whole."""

@@ -54,8 +54,12 @@ def record_move(ch: Channels, n, name: str, args, kwargs, out, where: str) -> No
             d += i is not None
 
 def channel_dim(ch: Channels, x: torch.Tensor, d: int) -> bool:
-    """Whether positions along ``d`` are different channels (not tokens beside a class token)."""
-    return varies(x, d) and varies(roots_of(ch, x), d) and join_rows(ch, x.movedim(d, 0).reshape(x.shape[d], -1)) is None
+    """Whether positions along ``d`` are different channels: not tokens beside a class token,
+    nor positions each of which holds channels along another dimension."""
+    if not (varies(x, d) and varies(roots_of(ch, x), d)):
+        return False
+    rows = x.movedim(d, 0).reshape(x.shape[d], -1)
+    return join_rows(ch, rows) is None and not bool((rows != rows[:, :1]).any(1).all())
 
 def unfolded(x: torch.Tensor, unfold) -> torch.Tensor:
     """Ids through an unfold (patches to channels): computed exactly in float64; padding is -1."""
