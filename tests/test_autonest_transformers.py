@@ -26,8 +26,9 @@ def tiers(name: str, gamma_w: float, steps=None, model_args: dict | None = None)
 
 
 class Attention(nn.Module):
-    """Multi-head attention with a query/key norm over each head's dimensions; ``bias``: a
-    relative position table per head, gathered by an index buffer and added to the scores."""
+    """Multi-head attention with a query/key norm over each head's dimensions and a rotary-like
+    buffer of sines and cosines shared by every head; ``bias``: a relative position table per
+    head, gathered by an index buffer and added to the scores."""
 
     def __init__(self, dim: int, heads: int, tokens: int, bias: bool):
         super().__init__()
@@ -36,11 +37,14 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
         self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads)) if bias else None
         self.register_buffer("index", torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :] + tokens - 1)
+        self.register_buffer("rope", torch.rand(tokens, 2 * self.head_dim), persistent=False)
 
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
+        sin, cos = self.rope.chunk(2, -1)
+        q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
         if self.table is None:
             x = nn.functional.scaled_dot_product_attention(q, k, v)
         else:

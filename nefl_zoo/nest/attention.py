@@ -3,8 +3,7 @@
 * A parameter used element-wise (a class token, a position embedding) has its own ids; where a
   row of it meets a channel of the stream (the class token concatenated to the patches) its
   elements join that channel (:func:`join_rows`). An element broadcast over several channels
-  (an attention mask over every head, a scalar gain) is *shared*: it joins none, and a parameter
-  no channel joins stays whole.
+  (an attention mask over every head, a scalar gain) is *shared*: it joins none and stays whole.
 * ``a @ b`` between two activations (attention) mixes a whole row of ``a`` with a whole column
   of ``b``: each row (a query's head dimension) and column become one class, the classes a
   product meets are united, and the output keeps ``b``'s ids where a column of ``b`` is one
@@ -32,6 +31,7 @@ def unite(ch, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if len(pairs) and len(torch.unique(pairs[:, 0])) < len(pairs):
             counts = torch.unique(torch.stack([pairs[:, 0], roots_of(ch, pairs[:, 1])], 1), dim=0)[:, 0]
             if len(torch.unique(counts)) < len(counts):  # an element meets several channels: shared
+                ch.shared.update(int(i) for i in mine[elements].unique())
                 return other
     ch.union(a, b)
     return torch.where(a >= 0, a, b)
@@ -43,7 +43,7 @@ def contract(ch, a: torch.Tensor, b: torch.Tensor, where: str) -> torch.Tensor:
         raise NestError(f"{where}: a product of vectors")
     if bool(element_mask(ch, b).all()) or bool(element_mask(ch, a).all()):  # relative position embeddings
         act, param, dim = (a, b, -1) if bool(element_mask(ch, b).all()) else (b, a, -2)
-        # shared by every head: joins nothing (so stays whole); the rows it meets join
+        ch.shared.update(int(i) for i in param.unique())  # shared by every head: whole; the rows it meets join
         rep = act.amax(dim, keepdim=True)
         ch.union(act, rep)
         shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])

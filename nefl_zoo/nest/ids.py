@@ -24,6 +24,7 @@ class Channels:
         self.channel_stats: list[tuple[str, torch.Tensor]] = []  # (where, ids): statistics over channels
         self.fixed: set[int] = set()  # ids that must stay (input and output channels)
         self.element_ranges: list[tuple[int, int]] = []  # ids of parameters and buffers used element-wise
+        self.shared: set[int] = set()  # element ids broadcast over several channels (kept whole)
         self.attention = False  # a product of two activations (attention) was seen
         self.kept_whole: list[str] = []  # layers nesting does not know, kept whole with their channels
 

@@ -148,11 +148,12 @@ def split_sizes(keep: torch.Tensor, grid: torch.Tensor) -> list[int] | None:
     return sizes if torch.equal(box, kept) else None
 
 
-def _elements_dims(key: str, ids: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor | None]:
+def _elements_dims(key: str, ids: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor,
+                   shared: set[int]) -> list[torch.Tensor | None]:
     """Per dimension ids of a parameter used element-wise (layer scale, position embedding);
     whole where no channel reaches it or it is shared by several channels (an attention mask)."""
     classes = roots[ids]
-    if bool((sizes[classes] == 1).all()):
+    if bool((sizes[classes] == 1).all()) or not shared.isdisjoint(ids.flatten().tolist()):
         return [None] * ids.ndim
     varying = [d for d in range(ids.ndim) if ids.shape[d] > 1 and not bool((classes == classes.narrow(d, 0, 1)).all())]
     if len(varying) > 1:
@@ -249,7 +250,7 @@ def _state_dims(gm, ch: Channels) -> dict[str, list[torch.Tensor | None]]:
         spec = ch.dims.get(key)
         if spec == ["elements"]:
             base = next(b for name, b, _ in ch.spaces if name == key)
-            dims[key] = _elements_dims(key, torch.arange(base, base + value.numel()).view(value.shape), roots, sizes)
+            dims[key] = _elements_dims(key, torch.arange(base, base + value.numel()).view(value.shape), roots, sizes, ch.shared)
         elif spec is not None:
             for d, ids in enumerate(spec):
                 if ids is not None and len(ids) != value.shape[d]:
