@@ -110,8 +110,8 @@ def _retell(prefix: str, m: nn.Module, plan: NestPlan) -> None:
         m.num_features = m.weight.shape[0]
     elif isinstance(m, nn.LayerNorm) and m.weight is not None:
         m.normalized_shape = (m.weight.shape[0],)
-    elif isinstance(m, nn.GroupNorm) and m.weight is not None:
-        per = plan.channels.norm_groups[f"{prefix}.weight"]
+    elif isinstance(m, nn.GroupNorm) and f"{prefix}.weight" in plan.channels.norm_groups:  # traced through: F.group_norm's
+        per = plan.channels.norm_groups[f"{prefix}.weight"]                                    # groups are re-counted instead
         m.num_channels, m.num_groups = m.weight.shape[0], m.weight.shape[0] // per
 
 
