@@ -21,7 +21,7 @@ from torch import nn
 
 from .attention import attention, contract, einsum, gather, multihead, self_attention, unite
 from .ids import Channels, _meta_args, channel_vector, meta_like, one_space, shared_rows, spread, varies
-from .movement import folded, opaque, pad, record_move, unfolded
+from .movement import branch_dim, folded, opaque, pad, record_move, unfolded
 from .sources import NestError
 
 BINARY = {"add", "sub", "mul", "truediv", "div", "iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_",
@@ -215,7 +215,10 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                     dims = args[1] if len(args) > 1 else kwargs.get("dim", list(range(x.ndim)))
                     dims = [d % x.ndim for d in ([dims] if isinstance(dims, int) else dims)]
                     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-                    if any(varies(x, d) for d in dims):
+                    branches = [d for d in dims if varies(x, d) and branch_dim(x, d)]
+                    if branches:  # a sum over stacked branches (selective kernels): channel by channel
+                        ch.union(x, x.amax(branches, keepdim=True))
+                    if any(varies(x, d) for d in dims if d not in branches):
                         ch.channel_stats.append((where, x[x >= 0].unique()))
                         res = torch.full(shape if not isinstance(out, tuple) else out[0].shape, -1, dtype=torch.long)
                     else:

@@ -59,7 +59,14 @@ def channel_dim(ch: Channels, x: torch.Tensor, d: int) -> bool:
     if not (varies(x, d) and varies(roots_of(ch, x), d)):
         return False
     rows = x.movedim(d, 0).reshape(x.shape[d], -1)
-    return join_rows(ch, rows) is None and not bool((rows != rows[:, :1]).any(1).all())
+    return join_rows(ch, rows) is None and not branch_dim(x, d)
+
+
+def branch_dim(x: torch.Tensor, d: int) -> bool:
+    """Whether every position along ``d`` holds channels along another dimension (stacked
+    branches, tokens): ``d`` itself is no channel dimension."""
+    rows = x.movedim(d, 0).reshape(x.shape[d], -1)
+    return bool((rows != rows[:, :1]).any(1).all())
 
 def unfolded(x: torch.Tensor, unfold) -> torch.Tensor:
     """Ids through an unfold (patches to channels): computed exactly in float64; padding is -1."""
