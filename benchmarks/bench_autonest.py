@@ -176,7 +176,7 @@ def original_export_error(name: str, args: dict, x: torch.Tensor) -> str:
 def table(rows: list[dict]) -> str:
     lines = []
     for kind, title in (("cnn", "timm, CNN-like"), ("transformer", "timm, transformers"), ("torchvision", "torchvision")):
-        part = [r for r in rows if r["kind"] == kind and r["class"] != "skipped"]
+        part = sorted((r for r in rows if r["kind"] == kind and r["class"] != "skipped"), key=lambda r: r["model"])
         skipped = [r["model"] for r in rows if r["kind"] == kind and r["class"] == "skipped"]
         nests = sum(r["class"] in ("exact", "inexact by construction") for r in part)
         lines += [f"**{title}: {nests} of {len(part)} nest** "

@@ -126,7 +126,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             out = m(*_meta_args(args), **_meta_args(kwargs))
             if any(True for _ in m.parameters(recurse=True)):
                 first = out[0] if isinstance(out, tuple) and out else out  # nn.MultiheadAttention: (output, weights)
-                if not (isinstance(first, torch.Tensor) and first.shape == x.shape):
+                if not (isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor) and first.shape == x.shape):
                     raise NestError(f"{where}: a layer with parameters that nesting does not know")
                 ch.kept_whole.append(where)  # untouched: its channels (and all tied to them) keep their width
                 for a in (*args, *kwargs.values()):
