@@ -75,7 +75,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 out = super().run_node(n)
                 if isinstance(out, torch.Tensor):
                     n.meta["nest_shape"] = tuple(out.shape)
-                    if out.ndim >= 2 and n.op != "get_attr":
+                    if out.ndim >= 2 and out.numel() and n.op != "get_attr":
                         n.meta["nest_ids"] = out.movedim(1, -1).reshape(-1, out.shape[1])[0]
                 return out
             except NestError:
