@@ -56,9 +56,11 @@ def model_list(cache: Path) -> list[dict]:
     import torchvision
 
     def params(make) -> int | None:
-        try:
+        from nefl_zoo.nest.sources import Source, construct
+
+        try:  # parameters on the meta device, also for constructors that size layers with tensors (RegNet)
             with torch.device("meta"):
-                return sum(p.numel() for p in make().parameters())
+                return sum(p.numel() for p in construct(Source("count", make)).parameters())
         except Exception:  # noqa: BLE001 - a model that does not build is left out, and said
             return None
 
