@@ -244,3 +244,30 @@ class StandardisedConv(nn.Module):
 def test_a_weight_standardised_in_the_forward_is_refused_naming_the_construct():
     with pytest.raises(NestError, match=r"^conv2d \(conv2d\): a weight computed in the forward \(weight standardisation"):
         nest(StandardisedConv(), (1, 1, 6, 6), name="standardised_conv")
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with ``einsum`` (SAM, MaxViT) plus a relative position term as a product
+    of the queries with a parameter shared by every head (BoTNet), over 4 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv, self.proj = nn.Linear(1, 8), nn.Linear(8, 24), nn.Linear(8, 3)
+        self.rel = nn.Parameter(torch.randn(4, 2))  # (tokens, head_dim)
+
+    def forward(self, x):
+        x = self.embed(x.flatten(2).transpose(1, 2))  # (B, 4 tokens, 8)
+        q, k, v = self.qkv(x).reshape(x.shape[0], 4, 3, 4, 2).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = torch.einsum("bhnd,bhmd->bhnm", q, k) + q @ self.rel.transpose(0, 1)
+        out = torch.einsum("bhnm,bhmd->bhnd", scores.softmax(-1), v)
+        return self.proj(out.transpose(1, 2).reshape(x.shape[0], 4, 8)).mean(1)
+
+
+def test_einsum_attention_and_a_relative_position_product_nest_by_whole_heads_exactly():
+    torch.manual_seed(0)
+    compiled = tiers(nest(EinsumAttention().eval(), (1, 1, 2, 2), name="einsum_attention"), 0.5)
+    narrow = compiled["narrow"].build()
+    # 3 of 4 heads; the embedding, which no LayerNorm normalises, narrows too: 6 of 8
+    assert narrow.qkv.weight.shape == (3 * 3 * 2, 6) and narrow.proj.weight.shape == (3, 6)
+    assert narrow.rel.shape == (4, 2)  # shared by every head: whole
+    assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 2, 2)) < 1e-6
