@@ -28,14 +28,15 @@ def tiers(name: str, gamma_w: float, steps=None, model_args: dict | None = None)
 class Attention(nn.Module):
     """Multi-head attention with a query/key norm over each head's dimensions and a rotary-like
     buffer of sines and cosines shared by every head; ``bias``: a relative position table per
-    head, gathered by an index buffer and added to the scores."""
+    head, gathered by an index buffer and added to the scores (as the attention mask of fused
+    attention when ``bias`` is false)."""
 
     def __init__(self, dim: int, heads: int, tokens: int, bias: bool):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
         self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim), nn.LayerNorm(self.head_dim)
-        self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads)) if bias else None
+        self.table, self.manual = nn.Parameter(torch.randn(2 * tokens - 1, heads)), bias
         self.register_buffer("index", torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :] + tokens - 1)
         self.register_buffer("rope", torch.rand(tokens, 2 * self.head_dim), persistent=False)
 
@@ -45,12 +46,12 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         sin, cos = self.rope.chunk(2, -1)
         q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
-        if self.table is None:
-            x = nn.functional.scaled_dot_product_attention(q, k, v)
+        bias = self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        if not self.manual:
+            x = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         else:
             scores = (q * self.head_dim ** -0.5) @ k.transpose(-2, -1)
-            scores = scores + self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)
-            x = scores.softmax(-1) @ v
+            x = (scores + bias).softmax(-1) @ v
         return self.proj(x.transpose(1, 2).reshape(b, n, c))
 
 
@@ -104,6 +105,7 @@ def test_a_transformer_nests_by_whole_heads_and_mlp_units_with_its_embedding_who
     assert shape(narrow, "blocks.0.attn.proj.weight") == (16, heads * 4)
     assert shape(narrow, "blocks.0.fc1.weight") == (hidden, 16)
     assert shape(narrow, "blocks.1.attn.table") == (9, heads)  # the relative position table: by heads
+    assert shape(narrow, "blocks.0.attn.table") == (9, heads)  # also as fused attention's mask
     # the embedding, every LayerNorm (q/k norms over a head's dimensions too), the class token,
     # the position embedding, the layer scale and the scalar gain stay whole
     assert shape(narrow, "cls_token") == (1, 1, 16) and shape(narrow, "pos_embed") == (1, 5, 16)
@@ -271,3 +273,45 @@ def test_einsum_attention_and_a_relative_position_product_nest_by_whole_heads_ex
     assert narrow.qkv.weight.shape == (3 * 3 * 2, 6) and narrow.proj.weight.shape == (3, 6)
     assert narrow.rel.shape == (4, 2)  # shared by every head: whole
     assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 2, 2)) < 1e-6
+
+
+class CrossAttention(nn.Module):
+    """``nn.MultiheadAttention`` between two sequences (queries from one, keys and values from
+    another): not self-attention, so it is kept whole; the layers around it still nest."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(1, 8), nn.Linear(1, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        tokens = x.flatten(2).transpose(1, 2)
+        y = self.attn(self.a(tokens), self.b(tokens), self.b(tokens), need_weights=False)[0]
+        return self.fc2(torch.relu(self.fc1(y))).mean(1)
+
+
+def test_cross_attention_is_kept_whole_and_the_rest_nests_exactly():
+    torch.manual_seed(0)
+    compiled = tiers(nest(CrossAttention().eval(), (1, 1, 2, 2), name="cross_attention"), 0.5)
+    narrow = compiled["narrow"].build()
+    assert isinstance(narrow.attn, nn.MultiheadAttention) and narrow.attn.in_proj_weight.shape == (24, 8)
+    assert narrow.fc1.weight.shape == (12, 8)  # ceil(16 sqrt(0.5))
+    assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 2, 2)) < 1e-6
+
+
+class PickedChannels(nn.Module):
+    """Channels picked by an index tensor: which ones depends on positions nesting would move."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 8, 1), nn.Linear(3, 2)
+        self.register_buffer("picks", torch.tensor([5, 1, 6]))
+
+    def forward(self, x):
+        return self.fc(self.conv(x).mean((2, 3))[:, self.picks])
+
+
+def test_channels_picked_by_an_index_tensor_are_refused_in_one_line():
+    with pytest.raises(NestError, match=r"^getitem \(getitem\): an index tensor that picks channels by position$"):
+        nest(PickedChannels(), (1, 1, 4, 4), name="picked_channels")
