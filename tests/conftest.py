@@ -28,6 +28,16 @@ def _macs_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_nesting_plans():
+    """Each test file analyses the networks it nests itself: no plan cached by another file (or,
+    under mutation testing, by the clean run the mutants are forked from) stands in for the code
+    under test."""
+    from nefl_zoo.nest.plan import _PLANS
+
+    _PLANS.clear()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
