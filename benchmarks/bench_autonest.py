@@ -84,19 +84,20 @@ def model_list(cache: Path) -> list[dict]:
 
 
 def onnx_difference(tier: torch.nn.Module, x: torch.Tensor) -> float:
-    """Max |difference| between ``tier`` and its ONNX file under onnxruntime, relative to scale."""
-    import onnxruntime as ort
-
-    from nefl_zoo.export.onnx_file import write_onnx
+    """Max |difference| between ``tier`` and its ONNX file under onnxruntime, as ``export``
+    measures it, relative to max(1, max |logit|) (``export`` refuses above 1e-4)."""
+    from nefl_zoo.export.onnx_file import INPUT_NAME, write_onnx
+    from nefl_zoo.export.verify import max_abs_diff
+    from nefl_zoo.runtime.session import session_from_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tier.onnx"
         write_onnx(tier, path, tuple(x.shape[1:]), x.shape[0], False, None)
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+        session = session_from_bytes(path.read_bytes(), str(path))
     with torch.no_grad():
         want = tier(x)
-    return float((got - want).abs().max()) / max(float(want.abs().max()), 1.0)
+    got = torch.from_numpy(session.run(None, {INPUT_NAME: x.numpy()})[0])
+    return max_abs_diff(got, want) / max(float(want.abs().max()), 1.0)
 
 
 def run_one(entry: dict) -> dict:

@@ -119,17 +119,16 @@ def test_a_transformer_nests_by_whole_heads_and_mlp_units_with_its_embedding_who
 
 
 def test_a_transformer_tier_exports_to_onnx_with_equal_logits(tiny, tmp_path):
-    import onnxruntime as ort
-
     from nefl_zoo.export.onnx_file import write_onnx
+    from nefl_zoo.export.verify import check_parity
+    from nefl_zoo.runtime.session import session_from_bytes
 
     tier = tiny[1]["narrow"].build().eval()
     write_onnx(tier, tmp_path / "t.onnx", (1, 8, 8), 2, False, None)
     x = torch.randn(2, 1, 8, 8)
-    session = ort.InferenceSession(str(tmp_path / "t.onnx"), providers=["CPUExecutionProvider"])
-    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     with torch.no_grad():
-        assert torch.allclose(torch.from_numpy(got), tier(x), atol=1e-5)
+        reference = tier(x)
+    assert check_parity("narrow", session_from_bytes((tmp_path / "t.onnx").read_bytes(), "t.onnx"), x, reference) < 1e-5
 
 
 class TalkingHeads(nn.Module):
@@ -315,3 +314,68 @@ class PickedChannels(nn.Module):
 def test_channels_picked_by_an_index_tensor_are_refused_in_one_line():
     with pytest.raises(NestError, match=r"^getitem \(getitem\): an index tensor that picks channels by position$"):
         nest(PickedChannels(), (1, 1, 4, 4), name="picked_channels")
+
+
+class HeadsInBatch(nn.Module):
+    """BoTNet's attention: the heads moved into the batch (``reshape(B * heads, ...)``), and a
+    second view whose first size is read back from that tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Conv2d(1, 24, 1), nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        q, k, v = torch.split(self.qkv(x), [8, 8, 8], dim=1)
+        q = q.reshape(b * 4, 2, -1).transpose(-1, -2)
+        k, v = k.reshape(b * 4, 2, -1), v.reshape(b * 4, 2, -1).transpose(-1, -2)
+        q = q.reshape(q.shape[0], h, w, -1).reshape(q.shape[0], h * w, -1)  # size from the narrowed tensor
+        out = ((q @ k).softmax(-1) @ v).transpose(-1, -2).reshape(b, 8, h, w)
+        return self.out(out).mean((2, 3))
+
+
+class StackedBranches(nn.Module):
+    """Selective kernels' fusion: two branches stacked and summed over the branch dimension, so
+    channel c of one branch meets channel c of the other (here b's channels are reversed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Conv2d(1, 8, 1), nn.Conv2d(1, 8, 3, padding=1), nn.Linear(8, 3)
+
+    def forward(self, x):
+        stacked = torch.stack([self.a(x), self.b(x).flip(1)], 1)  # (B, 2 branches, 8, H, W)
+        return self.head(stacked.sum(1).mean((2, 3)))
+
+
+class ProjectedClassToken(nn.Module):
+    """CrossViT: a class token projected by its own layer beside tokens of another layer, both
+    under one LayerNorm (so channel c of each is one channel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch, self.cls = nn.Linear(1, 8), nn.Linear(1, 8)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 3)
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        tokens = x.flatten(2).transpose(1, 2)  # (B, 4, 1)
+        t = torch.cat([self.cls(tokens[:, :1]), self.patch(tokens)], 1)
+        q, k, v = self.qkv(self.norm(t)).chunk(3, -1)
+        t = t + (q @ k.transpose(1, 2)).softmax(-1) @ v
+        return self.fc2(torch.relu(self.fc1(t[:, 0])))
+
+
+@pytest.mark.parametrize("module, narrowed", [
+    (HeadsInBatch, {"qkv.weight": (18, 1, 1, 1), "out.weight": (3, 6, 1, 1)}),  # 3 of 4 heads of 2
+    (StackedBranches, {"a.weight": (6, 1, 1, 1), "b.weight": (6, 1, 3, 3), "head.weight": (3, 6)}),  # b: its last 6
+    (ProjectedClassToken, {"cls.weight": (8, 1), "norm.weight": (8,), "fc1.weight": (12, 8)}),
+])
+def test_heads_in_the_batch_stacked_branches_and_projected_class_tokens_nest_exactly(module, narrowed):
+    torch.manual_seed(0)
+    compiled = tiers(nest(module().eval(), (1, 1, 2, 2), name=f"nested_{module.__name__.lower()}"), 0.5)
+    tier = compiled["narrow"].build()
+    assert {key: shape(tier, key) for key in narrowed} == narrowed
+    assert tier.plan.channels.channel_stats == [] or module is ProjectedClassToken  # branches summed channel by channel
+    if module is ProjectedClassToken:  # the norm's weight belongs to the channels of both layers, not kept whole
+        assert [d is not None for d in tier.plan.dims["norm.weight"]] == [True]
+    assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 2, 2)) < 1e-6

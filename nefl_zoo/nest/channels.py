@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .attention import attention, contract, einsum, gather, multihead, self_attention, unite
-from .ids import Channels, _meta_args, channel_vector, meta_like, one_space, shared_rows, spread, varies
+from .ids import Channels, _meta_args, channel_vector, layer_norm_vector, meta_like, spread, varies
 from .movement import branch_dim, folded, opaque, pad, record_move, unfolded
 from .sources import NestError
 
@@ -132,8 +132,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 for a in (*args, *kwargs.values()):
                     if isinstance(a, torch.Tensor):
                         ch.fixed.update(int(i) for i in a.unique().tolist() if i >= 0)
-                for key, value in [*m.named_parameters(target), *m.named_buffers(target)]:
-                    ch.dims[key] = [None] * value.ndim
+                keep_whole(m, target)
                 if isinstance(out, tuple):
                     return (x, *[torch.full(o.shape, -1, dtype=torch.long) if isinstance(o, torch.Tensor) else o for o in out[1:]])
                 return x
@@ -155,8 +154,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             ids = spread(ch.new(target, out.shape[dim]), out.shape, dim)
             ch.fixed.update(ids.unique().tolist())
             ch.kept_whole.append(where)
-            for key, value in [*m.named_parameters(target), *m.named_buffers(target)]:
-                ch.dims[key] = [None] * value.ndim
+            keep_whole(m, target)
             return ids
 
         def call_function(self, target, args, kwargs):
@@ -230,16 +228,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 out = native_meta(target, args, kwargs, n.op)
                 return conv(where, key.rpartition(".")[0], x, params[key].shape[0], groups, args[2] is not None if len(args) > 2 else kwargs.get("bias") is not None, out.shape, key)
             if name in ("layer_norm", "group_norm", "batch_norm", "instance_norm"):
-                dim = (-1 if name == "layer_norm" else 1) % x.ndim
-                try:
-                    vec = channel_vector(x, dim, where, ch)
-                except NestError:
-                    if name != "layer_norm":
-                        raise
-                    if one_space(ch, x):  # a query norm over every head: rows whole, the weight whole
-                        shared_rows(ch, x, dim)
+                if name == "layer_norm":
+                    vec = layer_norm_vector(ch, x, x.ndim - 1, where)
+                    if vec is None:
                         return x
-                    vec = channel_vector(x, dim, where, ch, shared=True)  # tokens from several layers
+                else:
+                    vec = channel_vector(x, 1, where, ch)
                 for a in list(args[1:]) + list(kwargs.values()):
                     if isinstance(a, torch.Tensor):
                         ch.union(a.reshape(-1), vec)
@@ -270,6 +264,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             if n.op == "call_function" and isinstance(target, types.FunctionType) and target.__module__.split(".")[0] != "torch":
                 return opaque(target, args, kwargs, where)  # a function the tracer kept whole (timm's window_reverse)
             raise NestError(f"{where}: an operation nesting does not know")
+
+    def keep_whole(m, owner, x=None):
+        """Every tensor of layer ``m`` stays whole in every tier; returns ``x``."""
+        for key, value in [*m.named_parameters(owner), *m.named_buffers(owner)]:
+            ch.dims[key] = [None] * value.ndim
+        return x
 
     def weight_key(n, where) -> str:
         """The parameter a functional convolution or linear layer reads as its weight."""
@@ -324,16 +324,9 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
         if isinstance(m, nn.LayerNorm):
             if len(m.normalized_shape) != 1:
                 raise NestError(f"{where}: LayerNorm over {len(m.normalized_shape)} dimensions")
-            try:
-                vec = channel_vector(x, x.ndim - 1, where, ch)
-            except NestError:
-                if not one_space(ch, x):  # tokens from several layers (a class token projected apart)
-                    vec = channel_vector(x, x.ndim - 1, where, ch, shared=True)
-                else:  # a query norm over every head: rows whole, the weight whole
-                    shared_rows(ch, x, x.ndim - 1)
-                    for key, value in list(m.named_parameters(owner)):
-                        ch.dims[key] = [None] * value.ndim
-                    return x
+            vec = layer_norm_vector(ch, x, x.ndim - 1, where)
+            if vec is None:
+                return keep_whole(m, owner, x)
         else:
             vec = channel_vector(x, 1, where, ch)
         if isinstance(m, CHANNEL_NORMS):

@@ -84,10 +84,18 @@ def one_space(ch: Channels, ids: torch.Tensor) -> bool:
     return len(torch.searchsorted(bases, real, right=True).unique()) <= 1
 
 
-def shared_rows(ch: Channels, ids: torch.Tensor, dim: int) -> None:
-    """A layer norm whose weight is shared by rows holding different channels (a query norm
-    over every head): each row is kept or removed whole."""
-    ch.union(ids, ids.amax(dim, keepdim=True))
+def layer_norm_vector(ch: Channels, ids: torch.Tensor, dim: int, where: str) -> torch.Tensor | None:
+    """The channel ids a LayerNorm over ``dim`` normalises, or ``None`` where its rows hold
+    different channels of one layer (a query norm over every head): then each row is kept or
+    removed whole and the norm's weight stays whole. Rows from several layers (a class token
+    projected apart beside the patch tokens) join column by column."""
+    try:
+        return channel_vector(ids, dim, where, ch)
+    except NestError:
+        if not one_space(ch, ids):
+            return channel_vector(ids, dim, where, ch, shared=True)
+        ch.union(ids, ids.amax(dim, keepdim=True))
+        return None
 
 
 def varies(ids: torch.Tensor, dim: int) -> bool:
