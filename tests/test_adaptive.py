@@ -14,7 +14,7 @@ from nefl_zoo.runtime.adaptive import AdaptivePolicy, Candidate, Deadline, Switc
 CANDIDATES = (
     Candidate("g0.25", 0.60, 10_000_000, 2.0),
     Candidate("g0.5", 0.75, 40_000_000, 4.0),
-    Candidate("g0.75", 0.85, 90_000_000, 6.0),
+    Candidate("g0.75", 0.85, 90_000_000, 5.5),  # 1.27x faster than g1.0: a rung (min_speedup 1.2)
     Candidate("g0.75:int8", 0.84, 90_000_000, 6.5),  # dominated by g0.75: less accurate and slower
     Candidate("g1.0", 0.90, 160_000_000, 7.0),
 )
@@ -46,13 +46,14 @@ class Served:
 
 def simulate(
     policy: Policy, clock: FakeClock, loads: Sequence[float], dt: float = 0.05, jitter: float = JITTER,
-    extra: Mapping[str, float] | None = None, seed: int = 0,
+    extra: Mapping[str, float] | None = None, seed: int = 0, start: int = 0,
 ) -> list[Served]:
-    """Request i arrives at clock i * dt and takes base[label] * loads[i] * jitter (* extra[label])."""
+    """Request i (from ``start``) arrives at clock i * dt and takes base[label] * loads[i] * jitter
+    (* extra[label])."""
     noise = random.Random(seed)
     base = {c.label: c.expected_ms for c in CANDIDATES}
     served = []
-    for i, load in enumerate(loads):
+    for i, load in enumerate(loads[start:], start):
         clock.now = i * dt
         label = policy.choose()
         ms = base[label] * load * noise.uniform(1 - jitter, 1 + jitter) * (extra or {}).get(label, 1.0)
@@ -176,6 +177,43 @@ def test_probes_up_one_step_per_quiet_period_only():
     assert labels.index("g0.75") == 145 and labels.index("g1.0", 105) == 185 and set(labels[185:]) == {"g1.0"}
 
 
+def test_recovers_as_soon_as_recent_requests_are_fast_not_when_the_window_forgets_the_load():
+    """After a heavy phase the window still holds its slow ratios for 19 requests; the first
+    probe comes once the last three requests (``recent``) were fast, and fast requests on the
+    new entry are no threat, however slow the window's older ones."""
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
+    loads = phases((1.0, 100), (3.0, 100), (1.0, 100))
+    simulate(policy, clock, loads[:206], jitter=0.0)
+    assert policy.current == "g0.5" and policy.slowdown == 3.0  # g0.5 x3 = 12 ms > 9: stale, no threat
+    simulate(policy, clock, loads, jitter=0.0, start=206)
+    assert [(round(s.at / 0.05), s.to_label) for s in policy.switches] == [
+        (101, "g0.25"), (203, "g0.5"), (213, "g0.75"), (223, "g1.0"),  # then one step per 0.5 s quiet
+    ]
+    assert policy.slowdown == 1.0
+
+
+def test_never_probes_while_the_recent_requests_say_the_load_stays():
+    clock = FakeClock()
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), clock)
+    served = simulate(policy, clock, phases((1.0, 100), (3.0, 2000)))  # 100 s at x3: g0.25 fits, quiet
+    assert [(round(s.at / 0.05), s.to_label) for s in policy.switches] == [(101, "g0.25")]
+    assert sum(s.ms > DEADLINE_MS for s in served) == 2
+
+
+def test_ladder_rungs_are_min_speedup_apart_counted_from_the_start():
+    def labels(budget: float, speedup: float) -> list[str]:
+        return [c.label for c in build_ladder(CANDIDATES, budget, speedup)]
+
+    assert labels(9.0, 1.0) == labels(9.0, 1.2) == ["g0.25", "g0.5", "g0.75", "g1.0"]  # 7 / 5.5 = 1.27
+    assert labels(9.0, 1.3) == ["g0.25", "g0.5", "g1.0"]  # g0.75 is within 1.3x of the start g1.0
+    assert labels(5.6, 1.3) == ["g0.25", "g0.5", "g0.75"]  # start g0.75: g1.0 above is within 1.3x
+    assert labels(4.5, 1.5) == ["g0.25", "g0.5", "g1.0"]  # start g0.5: above it 5.5 < 6, 7 >= 6
+    assert labels(1.0, 4.0) == ["g0.25"]  # nothing fits: the fastest starts; 8 ms is < 4 x 2.0
+    policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS, min_speedup=1.3), FakeClock())
+    assert policy.ladder == ("g0.25", "g0.5", "g1.0")
+
+
 BIG_SLOWER = {"g1.0": 1.4}  # memory-bound: the largest entry slows down more than the others predict
 
 
@@ -204,7 +242,9 @@ def test_failed_probes_back_off_doubling_to_the_cap_and_a_success_resets_it():
 @pytest.mark.parametrize("loads, extra, most", [
     ([9.0 / 7.0] * 1000, None, 1),  # g1.0 right at the headroom, jitter across it
     ([9.0 / 7.0 * (1 + 0.08 * math.sin(i / 60)) for i in range(1000)], None, 1),  # wandering around it
-    ([1.0] * 1000, BIG_SLOWER, 5),  # g1.0 looks like it fits but does not: failed probes, backing off
+    # g1.0 looks like it fits but does not: failed probes 1, 2, 4, 8, 16, 16 s apart (0.5 s doubling,
+    # capped at 32 x 0.5 s), each a step up and one down, after the start's own step down
+    ([1.0] * 1000, BIG_SLOWER, 13),
 ], ids=["at-headroom", "wandering", "failing-probes"])
 def test_a_load_at_a_boundary_does_not_oscillate(loads: list[float], extra: dict | None, most: int):
     clock = FakeClock()
@@ -233,6 +273,7 @@ def test_ladder_ties_and_unmeasured_accuracy():
     ("ms", 0.0), ("ms", math.nan), ("ms", math.inf), ("percentile", 0.0), ("percentile", 101.0),
     ("window", 0), ("window", 2.5), ("window", True), ("headroom", 0.0), ("headroom", 1.5),
     ("probe_after_s", -1.0), ("up_margin", 1.0), ("up_margin", 0.0), ("max_backoff", 0.5),
+    ("recent", 0), ("recent", 1.5), ("min_speedup", 0.9), ("min_speedup", math.inf),
 ])
 def test_bad_deadline_settings_name_the_field(field: str, value: object):
     settings = {"ms": DEADLINE_MS, field: value}

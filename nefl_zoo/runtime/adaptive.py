@@ -12,22 +12,27 @@ Rules:
 * Ladder: the candidates that no other candidate dominates (at least as accurate and
   expected no slower; ties go to fewer MACs, then the label), fastest first, so each step up
   is more accurate and slower. Accuracy ranks them when every candidate has one, else MACs.
+  Counted from the start entry, each rung kept is at least ``min_speedup`` times faster than
+  the kept rung above it (and slower than the one below): a step down must buy more latency
+  than the noise between two entries of about equal speed.
 * Slowdown: every observation becomes a ratio, ``ms / expected_ms`` of the entry that ran it
   (its baseline: the idle latency it was given, never refined, so a uniform error in the
   baselines is absorbed by the slowdown). :attr:`AdaptivePolicy.slowdown` is the
   ``percentile`` of the last ``window`` ratios (1 before any), and an entry's expected
   latency is its baseline times the slowdown.
 * Start: the most accurate entry whose baseline is within ``headroom * ms``, else the fastest.
-* Threat: an observation that makes the current entry's expected latency exceed
-  ``headroom * ms``. A single slow request among ``window`` is what ``percentile`` allows
-  (a jitter outlier does not move the policy); the second one within the window makes the
-  percentile the new load's. On a threat the policy steps down at once to the most accurate
-  entry within ``headroom * ms`` under that slowdown (several steps if need be; the fastest
-  if none).
+* Threat: an observation after which both that request and the percentile put the current
+  entry over ``headroom * ms``. A single slow request among ``window`` is what
+  ``percentile`` allows (a jitter outlier does not move the policy); the second one within
+  the window makes the percentile the new load's; a fast request is never a threat, however
+  slow the older ones in the window were. On a threat the policy steps down at once to the
+  most accurate entry within ``headroom * ms`` under the slowdown (several steps if need
+  be; the fastest if none).
 * Probe: after a quiet period (``probe_after_s * backoff`` seconds of the clock with no
   threat and no switch, and at least one observation since the last switch) one step up,
-  only when that entry's expected latency is within ``up_margin * headroom * ms``, stricter
-  than the step-down rule (hysteresis).
+  only when that entry, slowed as much as the slowest of the last ``recent`` requests, is
+  expected within ``up_margin * headroom * ms``: stricter than the step-down rule
+  (hysteresis), and as quick to see a load end as ``recent`` requests.
 * Backoff: the start and every probe are on trial until they go ``probe_after_s`` without a
   threat (which resets the backoff to 1); a threat while on trial doubles the backoff (at
   most ``max_backoff``), so an entry that fails at a boundary is probed ever more rarely.
@@ -75,18 +80,21 @@ class Deadline:
 
     ``percentile`` (%) of the recent slowdowns is the one estimates use; ``window`` is how
     many recent observations they keep; an entry is served only when its expected latency is
-    within ``headroom * ms``, and probed only when within ``up_margin * headroom * ms``;
-    ``probe_after_s`` is the quiet period before a probe, multiplied by a backoff of at most
-    ``max_backoff`` after failed probes.
+    within ``headroom * ms``, and probed only when within ``up_margin * headroom * ms`` at the
+    slowdown of the slowest of the last ``recent`` requests; ``probe_after_s`` is the quiet
+    period before a probe, multiplied by a backoff of at most ``max_backoff`` after failed
+    probes; ``min_speedup`` is the least latency ratio between neighbouring rungs.
     """
 
     ms: float
     percentile: float = 95.0
     window: int = 20
     headroom: float = 0.9
-    probe_after_s: float = 5.0
+    probe_after_s: float = 0.5
     up_margin: float = 0.9
-    max_backoff: float = 8.0
+    max_backoff: float = 32.0
+    recent: int = 3
+    min_speedup: float = 1.2
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, want: str) -> None:
@@ -95,13 +103,15 @@ class Deadline:
 
         check("ms", _positive(self.ms), "a finite number > 0")
         check("percentile", _positive(self.percentile) and self.percentile <= 100, "a number in (0, 100]")
-        check("window", isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 1,
-              "an integer >= 1")
+        for name in ("window", "recent"):
+            value = getattr(self, name)
+            check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
         check("headroom", _positive(self.headroom) and self.headroom <= 1, "a number in (0, 1]")
         probe_ok = self.probe_after_s == 0 or _positive(self.probe_after_s)
         check("probe_after_s", probe_ok, "a finite number >= 0")
         check("up_margin", _positive(self.up_margin) and self.up_margin < 1, "a number in (0, 1)")
         check("max_backoff", _positive(self.max_backoff) and self.max_backoff >= 1, "a finite number >= 1")
+        check("min_speedup", _positive(self.min_speedup) and self.min_speedup >= 1, "a finite number >= 1")
 
 
 class Switch(NamedTuple):
@@ -123,18 +133,27 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def build_ladder(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The candidates no other dominates, fastest first (see the module docstring)."""
+def build_ladder(candidates: Sequence[Candidate], budget_ms: float = math.inf, min_speedup: float = 1.0) -> list[Candidate]:
+    """The candidates no other dominates, fastest first, spaced ``min_speedup`` apart from the
+    most accurate one within ``budget_ms`` (see the module docstring)."""
     by_accuracy = all(c.accuracy is not None for c in candidates)
 
     def rank(candidate: Candidate) -> float:
         return candidate.accuracy if by_accuracy and candidate.accuracy is not None else candidate.macs
 
-    ladder: list[Candidate] = []
+    front: list[Candidate] = []
     for candidate in sorted(candidates, key=lambda c: (c.expected_ms, -rank(c), c.macs, c.label)):
-        if not ladder or rank(candidate) > rank(ladder[-1]):
-            ladder.append(candidate)
-    return ladder
+        if not front or rank(candidate) > rank(front[-1]):
+            front.append(candidate)
+    start = max([i for i, c in enumerate(front) if c.expected_ms <= budget_ms], default=0)
+    below, above = [front[start]], [front[start]]
+    for candidate in reversed(front[:start]):
+        if candidate.expected_ms * min_speedup <= below[-1].expected_ms:
+            below.append(candidate)
+    for candidate in front[start + 1:]:
+        if candidate.expected_ms >= above[-1].expected_ms * min_speedup:
+            above.append(candidate)
+    return below[::-1] + above[1:]
 
 
 class AdaptivePolicy:
@@ -159,8 +178,9 @@ class AdaptivePolicy:
         self.deadline = deadline
         self._clock = clock
         self._baseline = {c.label: c.expected_ms for c in candidates}
-        self._ladder = build_ladder(candidates)
+        self._ladder = build_ladder(candidates, deadline.headroom * deadline.ms, deadline.min_speedup)
         self._ratios: deque[float] = deque(maxlen=deadline.window)
+        self._recent: deque[float] = deque(maxlen=deadline.recent)
         self._slowdown = 1.0
         self._index = self._fitting_index(1.0)
         self._quiet_since = clock()
@@ -204,7 +224,7 @@ class AdaptivePolicy:
         if quiet >= self.deadline.probe_after_s * self._backoff:
             up = self._index + 1
             limit = self.deadline.up_margin * self.deadline.headroom * self.deadline.ms
-            expected = self._ladder[up].expected_ms * self._slowdown if up < len(self._ladder) else math.inf
+            expected = self._ladder[up].expected_ms * max(self._recent) if up < len(self._ladder) else math.inf
             if expected <= limit:
                 self._switch(now, up, f"probe: expected {expected:.3g} ms <= {limit:.3g} ms after {quiet:.3g} s quiet")
                 self._on_trial = True
@@ -220,12 +240,14 @@ class AdaptivePolicy:
         now = self._clock()
         ratio = ms / baseline
         self._ratios.append(ratio)
+        self._recent.append(ratio)
         self._slowdown = percentile(self._ratios, self.deadline.percentile)
         self._observed_since_switch += 1
         slowdown = self._slowdown
         budget = self.deadline.headroom * self.deadline.ms
-        expected = self._ladder[self._index].expected_ms * slowdown
-        if expected <= budget:
+        current = self._ladder[self._index].expected_ms
+        expected = current * slowdown
+        if expected <= budget or current * ratio <= budget:
             return
         missed = ms > self.deadline.ms
         self._quiet_since = now
