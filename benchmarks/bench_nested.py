@@ -20,25 +20,28 @@ Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single
    after runs of its neighbour); resident memory (VmRSS, a fresh subprocess per case) with
    one tier vs every tier of a precision loaded.
 3. **Adaptive vs static under changing load** (demo nested package, FP32 + INT8 entries): a
-   fixed-rate request stream through ``TierRuntime.run`` with one onnxruntime thread, served
-   in separate passes by the static choice (``select(latency_ms=deadline)``: the most accurate
-   entry within the deadline at the latencies measured idle at start, on the same paced
-   stream) and by ``tier="adaptive"`` (``Deadline`` policy, given the same idle latencies),
-   each pass over the same schedule of phases: idle, one and two busy-loop processes, idle,
-   two matrix-multiplication processes, idle (``--order``: static, adaptive, adaptive, static
-   by default, so that other jobs' load falls on both alike). The deadline is
-   ``--deadline-factor`` x static's idle latency. Two streams: batch 1 every 5 ms (the
-   deployment case) and batch 32 every 50 ms (requests long enough for the scheduler to share
-   a core within one). Per phase and policy: deadline misses (the ``run`` call's time against
+   fixed-rate request stream through ``TierRuntime.run`` with one onnxruntime thread, bound
+   with its calibration to core 0, served in separate passes by the static choice
+   (``select(latency_ms=deadline)``: the most accurate entry within the deadline at the
+   latencies measured idle at start, on the same paced stream, at least 30 requests per entry)
+   and by ``tier="adaptive"`` (``Deadline`` policy with its defaults unless given, and the same
+   idle latencies), each pass over the same schedule of phases: idle, a busy loop on the
+   stream's core, busy loops on both cores, idle, a matrix multiplication on each core, idle
+   (each load process bound to its core; ``--order``: static, adaptive, adaptive, static by
+   default, so that other jobs' load falls on both alike). The deadline is
+   ``--deadline-factor`` x static's idle p95 latency (a deadline static meets when idle). Two
+   streams: batch 1 every 5 ms (the deployment case; a 0.3 ms request finishes inside a time
+   slice, so contention hardly slows it) and batch 128 every 100 ms (a 15 ms request, long
+   enough that the scheduler shares its core with the load). Per phase and policy: deadline misses (the ``run`` call's time against
    the deadline, and from the request's scheduled time), mean accuracy of the entries served,
-   switches per minute, requests, and the CPU that this process, its load processes and
-   everything else (other jobs, hypervisor steal) took.
+   static's entry's share, switches per minute, requests, and the CPU that this process, its
+   load processes and everything else (other jobs, hypervisor steal) took.
 
 Everything runs with one onnxruntime thread (2 shared cores; see the README section).
 
     .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--quick] [--out FILE]
-        [--phase-seconds 15] [--streams 1,32] [--order static,adaptive,adaptive,static] [--deadline-factor 1.5]
-        [--percentile 95] [--window 20] [--headroom 0.9] [--probe-after 0.5] [--max-backoff 4]
+        [--phase-seconds 15] [--streams 1,128] [--order static,adaptive,adaptive,static] [--deadline-factor 1.25]
+        [--percentile P] [--window N] [--headroom H] [--probe-after S] [--max-backoff B] [--recent N] [--min-speedup R]
 """
 
 from __future__ import annotations
@@ -422,28 +425,31 @@ def tiers_markdown(result: dict) -> tuple[str, list[str]]:
 
 @dataclass(frozen=True)
 class Phase:
+    """A phase of load: ``command`` run once per core in ``cores``, bound to that core."""
+
     name: str
     command: list[str] | None
-    processes: int
+    cores: tuple[int, ...]
 
     @property
     def loaded(self) -> bool:
-        return self.processes > 0
+        return bool(self.cores)
 
 
+STREAM_CORE = 0  # the request stream runs on this core; "1 busy core" loads it
 PHASES = (
-    Phase("idle", None, 0),
-    Phase("1 busy loop", BUSY, 1),
-    Phase("2 busy loops", BUSY, 2),
-    Phase("idle", None, 0),
-    Phase("2 matmul loops", MATMUL, 2),
-    Phase("idle", None, 0),
+    Phase("idle", None, ()),
+    Phase("1 busy core", BUSY, (STREAM_CORE,)),
+    Phase("2 busy cores", BUSY, (0, 1)),
+    Phase("idle", None, ()),
+    Phase("2 matmul cores", MATMUL, (0, 1)),
+    Phase("idle", None, ()),
 )
-STREAMS = ((1, 0.005), (32, 0.050))  # (batch, seconds between requests)
+STREAMS = ((1, 0.005), (128, 0.100))  # (batch, seconds between requests)
 
 
-def paced_latencies(rt: TierRuntime, labels: list[str], x: np.ndarray, interval: float, rounds: int) -> dict[str, float]:
-    """Median ms of ``rt.run(x, tier=label)`` for each label on the same paced stream as the
+def paced_latencies(rt: TierRuntime, labels: list[str], x: np.ndarray, interval: float, rounds: int) -> dict[str, list[float]]:
+    """The ms of each ``rt.run(x, tier=label)`` for each label on the same paced stream as the
     benchmark (one request every ``interval`` seconds, the labels in turn): an entry's
     latency between sleeps, not in a tight loop (after a sleep it is slower)."""
     times = {label: [] for label in labels}
@@ -457,7 +463,7 @@ def paced_latencies(rt: TierRuntime, labels: list[str], x: np.ndarray, interval:
             start = time.perf_counter()
             rt.run(x, tier=label)
             times[label].append((time.perf_counter() - start) * 1e3)
-    return {label: statistics.median(t) for label, t in times.items()}
+    return times
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -489,8 +495,9 @@ def stream(rt: TierRuntime, tier: str, x: np.ndarray, interval: float, phases, s
         for k, phase in enumerate(phases):
             begin = t0 + k * seconds
             ticks, times = cpu_ticks(), os.times()
-            processes += [subprocess.Popen(phase.command, env=LOAD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                          for _ in range(phase.processes)]
+            processes += [subprocess.Popen(phase.command, env=LOAD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           preexec_fn=lambda core=core: os.sched_setaffinity(0, {core}))
+                          for core in phase.cores]
             while True:
                 i += 1
                 at = t0 + i * interval
@@ -557,8 +564,22 @@ def bench_adaptive(exports: Exports, args) -> dict:
     folder = demo["nested"].folder
     images, _ = test_split()
     seconds = 2.0 if args.quick else args.phase_seconds
-    settings = dict(percentile=args.percentile, window=args.window, headroom=args.headroom,
-                    probe_after_s=args.probe_after, max_backoff=args.max_backoff)
+    given = dict(percentile=args.percentile, window=args.window, headroom=args.headroom, probe_after_s=args.probe_after,
+                 max_backoff=args.max_backoff, recent=args.recent, min_speedup=args.min_speedup)
+    settings = {name: value for name, value in given.items() if value is not None}
+    defaults = {name: getattr(Deadline(ms=1.0), name) for name in given}
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {STREAM_CORE})  # the stream, its calibration and onnxruntime's one thread
+    try:
+        scenarios = streams_adaptive(folder, images, seconds, settings, args)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    return {"scenarios": scenarios, "settings": {**defaults, **settings}, "given": sorted(settings), "seconds": seconds,
+            "factor": args.deadline_factor, "order": args.order}
+
+
+def streams_adaptive(folder: Path, images: np.ndarray, seconds: float, settings: dict, args) -> list[dict]:
+    """Part 3 for each stream of ``args.streams`` (see :func:`bench_adaptive`)."""
     scenarios = []
     for batch, interval in [(b, i) for b, i in STREAMS if b in args.streams]:
         x = np.ascontiguousarray(images[:batch])
@@ -567,13 +588,15 @@ def bench_adaptive(exports: Exports, args) -> dict:
         accuracy = {t.label: t.accuracy for t in probe.entries(list(TIER_PRECISIONS))}
         for label in labels:
             probe.run(x, tier=label)  # sessions created, one warm-up run each
-        rounds = max(3, int((1.0 if args.quick else 10.0) / (interval * len(labels))))
+        rounds = 3 if args.quick else max(30, int(10.0 / (interval * len(labels))))  # >= 30 requests per entry
         ticks, times = cpu_ticks(), os.times()
-        idle = paced_latencies(probe, labels, x, interval, rounds)
+        samples = paced_latencies(probe, labels, x, interval, rounds)
+        idle = {label: statistics.median(t) for label, t in samples.items()}
+        idle_p95 = {label: float(np.percentile(t, 95)) for label, t in samples.items()}
         after, busy = os.times(), cpu_ticks()[0]
         idle_others = max(0.0, (busy - ticks[0]) / os.sysconf("SC_CLK_TCK") - (after.user + after.system - times.user - times.system)) / (after.elapsed - times.elapsed)
         best = probe.select(precisions=list(TIER_PRECISIONS)).label  # the most accurate entry, no budget
-        deadline = args.deadline_factor * idle[best]
+        deadline = args.deadline_factor * idle_p95[best]  # a deadline the static choice meets when idle
         static = probe.select(latency_ms=deadline, precisions=list(TIER_PRECISIONS), latencies=idle,
                               latency_source="idle on the paced stream").label
         del probe
@@ -600,18 +623,19 @@ def bench_adaptive(exports: Exports, args) -> dict:
             results["adaptive"]["switches"] = [(sw.at - first["bounds"][0]["begin"], sw.from_label, sw.to_label, sw.reason)
                                                for sw in first["switches"]]
             results["adaptive"]["ladder"] = ladder
-        scenarios.append({"batch": batch, "interval": interval, "idle": idle, "best": best, "deadline": deadline,
+        scenarios.append({"batch": batch, "interval": interval, "idle": idle, "idle_p95": idle_p95, "best": best, "deadline": deadline,
                           "static": static, "results": results, "accuracy": accuracy, "rounds": rounds,
                           "idle_others": idle_others, "loads": loads})
-    return {"scenarios": scenarios, "settings": settings, "seconds": seconds, "factor": args.deadline_factor, "order": args.order}
+    return scenarios
 
 
 def adaptive_markdown(result: dict) -> tuple[str, list[str]]:
     s0 = result["settings"]
     lines = [
-        f"Policy: `Deadline(ms=deadline, percentile={s0['percentile']:g}, window={s0['window']}, headroom={s0['headroom']:g}, "
-        f"probe_after_s={s0['probe_after_s']:g}, max_backoff={s0['max_backoff']:g})` (up_margin default). Deadline = "
-        f"{result['factor']:g} x static's entry's idle latency on the paced stream; phases of {result['seconds']:g} s; passes in the "
+        f"Policy: `Deadline({', '.join(['ms=deadline'] + [f'{k}={s0[k]:g}' for k in result['given']])})`, the other settings "
+        f"Deadline's defaults ({', '.join(f'{k}={v:g}' for k, v in s0.items() if k not in result['given'])}). Stream and "
+        f"calibration bound to core {STREAM_CORE}; each load process bound to its core. Deadline = "
+        f"{result['factor']:g} x static's entry's idle p95 latency on the paced stream; phases of {result['seconds']:g} s; passes in the "
         f"order {', '.join(result['order'])} (each policy's figures are over its passes; per pass in brackets).",
         "",
     ]
@@ -621,8 +645,8 @@ def adaptive_markdown(result: dict) -> tuple[str, list[str]]:
         lines += [
             f"#### Batch {sc['batch']}, one request every {sc['interval'] * 1e3:g} ms",
             "",
-            "Idle latency of every entry on the paced stream (ms, median of " + str(sc["rounds"]) + " requests each; accuracy): "
-            + ", ".join(f"{label} {ms:.3f} ({100 * acc[label]:.2f}%)" for label, ms in sc["idle"].items())
+            "Idle latency of every entry on the paced stream (ms, median / p95 of " + str(sc["rounds"]) + " requests each; accuracy): "
+            + ", ".join(f"{label} {ms:.3f} / {sc['idle_p95'][label]:.3f} ({100 * acc[label]:.2f}%)" for label, ms in sc["idle"].items())
             + f"; other jobs meanwhile: {sc['idle_others']:.2f} cores.",
             f"Static entry: **{sc['static']}**; deadline **{sc['deadline']:.3f} ms**; adaptive ladder: "
             f"{' -> '.join(sc['results']['adaptive']['ladder']) if 'adaptive' in sc['results'] else '(no adaptive pass)'}.",
@@ -681,16 +705,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds, 2 s phases, no mobilenet_v2")
     parser.add_argument("--phase-seconds", type=float, default=15.0, help="part 3: seconds per phase")
     parser.add_argument("--streams", type=lambda v: [int(b) for b in v.split(",")], default=[b for b, _ in STREAMS],
-                        help="part 3: the streams to run, by batch (1: every 5 ms, 32: every 50 ms)")
+                        help="part 3: the streams to run, by batch (1: every 5 ms, 128: every 100 ms)")
     parser.add_argument("--order", type=lambda v: v.split(","), default=["static", "adaptive", "adaptive", "static"],
                         help="part 3: the passes, in order (ABBA by default, so that other jobs' load falls on both alike)")
-    parser.add_argument("--deadline-factor", type=float, default=1.5, help="part 3: deadline / static entry's idle latency")
-    parser.add_argument("--percentile", type=float, default=95.0)
-    # the policy's settings (Deadline's defaults: window 20, probe_after_s 5, max_backoff 8; see the README for why)
-    parser.add_argument("--window", type=int, default=20)
-    parser.add_argument("--headroom", type=float, default=0.9)
-    parser.add_argument("--probe-after", type=float, default=0.5)
-    parser.add_argument("--max-backoff", type=float, default=4.0)
+    parser.add_argument("--deadline-factor", type=float, default=1.25, help="part 3: deadline / static entry's idle p95 latency")
+    # the policy's settings: Deadline's defaults unless given
+    parser.add_argument("--percentile", type=float)
+    parser.add_argument("--window", type=int)
+    parser.add_argument("--headroom", type=float)
+    parser.add_argument("--probe-after", type=float)
+    parser.add_argument("--max-backoff", type=float)
+    parser.add_argument("--recent", type=int)
+    parser.add_argument("--min-speedup", type=float)
     parser.add_argument("--out", type=Path, help="also write the markdown here")
     args = parser.parse_args()
     parts = [p for p in ("bytes", "tiers", "adaptive") if getattr(args, p)] or ["bytes", "tiers", "adaptive"]
