@@ -186,7 +186,7 @@ class AdaptivePolicy:
         self._quiet_since = clock()
         self._on_trial = True  # the start is a guess from the idle estimates, like a probe
         self._backoff = 1.0
-        self._observed_since_switch = 0
+        self._observed_since_switch = False
         self.switches: list[Switch] = []
 
     @property
@@ -242,7 +242,7 @@ class AdaptivePolicy:
         self._ratios.append(ratio)
         self._recent.append(ratio)
         self._slowdown = percentile(self._ratios, self.deadline.percentile)
-        self._observed_since_switch += 1
+        self._observed_since_switch = True
         slowdown = self._slowdown
         budget = self.deadline.headroom * self.deadline.ms
         current = self._ladder[self._index].expected_ms
@@ -275,4 +275,4 @@ class AdaptivePolicy:
         self.switches.append(Switch(now, self.current, self._ladder[index].label, reason))
         self._index = index
         self._quiet_since = now
-        self._observed_since_switch = 0
+        self._observed_since_switch = False
