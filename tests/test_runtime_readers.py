@@ -11,29 +11,57 @@ from onnx import helper, numpy_helper
 
 from nefl_zoo.runtime.arrays import ArrayFileError, parse_safetensors
 from nefl_zoo.runtime.nested import Slice, materialize
-from nefl_zoo.runtime.wire import external_tensors, with_initializers
+from nefl_zoo.runtime.wire import WireError, external_tensors, fields, tensor_proto, with_initializers
 
 
-def test_safetensors_reader_refuses_malformed_files():
+def framed(header: bytes | dict, body: bytes) -> bytes:
+    """A safetensors file: the header's length, the header, the data bytes."""
+    header = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return len(header).to_bytes(8, "little") + header + body
+
+
+F32_2 = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+def test_safetensors_reader_reads_what_safetensors_writes():
     from safetensors.numpy import save
 
-    good = save({"a": np.arange(4, dtype=np.float32), "b": np.ones((2, 2), np.int8)}, metadata={"k": "v"})
+    good = save({"a": np.arange(4, dtype=np.float32), "b": np.ones((2, 2), np.int8), "e": np.zeros((0, 3), np.int64)},
+                metadata={"k": "v"})
     arrays, metadata = parse_safetensors(good)
-    np.testing.assert_array_equal(arrays["a"], np.arange(4)) and metadata == {"k": "v"}
-    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
-    framed = lambda h, body: len(h).to_bytes(8, "little") + h + body  # noqa: E731
-    cases = [
-        (b"abc", "shorter than the 8-byte header length"),
-        ((10**9).to_bytes(8, "little") + b"{}", "runs past the end"),
-        (framed(b"not json", b""), "header is not JSON"),
-        (framed(header, b"\0" * 4), "outside the 4 data bytes"),
-        (framed(header, b"\0" * 12), "data bytes 8..12 belong to no tensor"),
-        (framed(header.replace(b"F32", b"F64"), b"\0" * 8), "needs dtype"),
-        (framed(header.replace(b"[2]", b"[3]"), b"\0" * 8), "does not fill data_offsets"),
-    ]
-    for data, message in cases:
-        with pytest.raises(ArrayFileError, match=re.escape(message)):
-            parse_safetensors(data)
+    assert metadata == {"k": "v"} and sorted(arrays) == ["a", "b", "e"]
+    np.testing.assert_array_equal(arrays["a"], np.arange(4))
+    assert arrays["b"].shape == (2, 2) and arrays["b"].dtype == np.int8 and arrays["e"].shape == (0, 3)
+    assert parse_safetensors(framed({}, b"")) == ({}, {})
+    empty = {"z": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, **F32_2}  # an empty tensor at offset 0
+    arrays, _ = parse_safetensors(framed(empty, b"\0" * 8))
+    assert arrays["z"].shape == (0,) and arrays["a"].shape == (2,)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"abc", "shorter than the 8-byte header length"),
+    (bytes(8), "header is not JSON (Expecting value: line 1 column 1 (char 0))"),  # 8 bytes: an empty header
+    ((10**9).to_bytes(8, "little") + b"{}", "header length 1000000000 runs past the end of the file"),
+    ((10).to_bytes(8, "little") + b"{}", "header length 10 runs past the end of the file"),
+    (framed(b"not json", b""), "header is not JSON (Expecting value: line 1 column 1 (char 0))"),
+    (framed(b"[]", b""), "header is not a JSON object"),
+    (framed({"__metadata__": "x"}, b""), "__metadata__ must map names to strings"),
+    (framed({"__metadata__": {"k": 1}}, b""), "__metadata__ must map names to strings"),
+    (framed(F32_2, b"\0" * 4), "a: data_offsets [0, 8] outside the 4 data bytes"),
+    (framed({"a": {**F32_2["a"], "data_offsets": [8, 0]}}, b"\0" * 8), "a: data_offsets [8, 0] outside the 8 data bytes"),
+    (framed(F32_2, b"\0" * 12), "data bytes 8..12 belong to no tensor"),
+    (framed({"a": {**F32_2["a"], "data_offsets": [4, 12]}}, b"\0" * 12), "data bytes 0..4 belong to no tensor, or tensors overlap"),
+    (framed({**F32_2, "b": {**F32_2["a"], "data_offsets": [4, 12]}}, b"\0" * 12),
+     "data bytes 8..4 belong to no tensor, or tensors overlap"),
+    (framed({"a": {**F32_2["a"], "dtype": "F64"}}, b"\0" * 8),
+     "a: needs dtype (one of F32, F16, I8, U8, I32, I64), shape and data_offsets"),
+    (framed({"a": {**F32_2["a"], "shape": [3]}}, b"\0" * 8), "a: shape [3] of float32 does not fill data_offsets [0, 8]"),
+    (framed({"a": {**F32_2["a"], "shape": [-2, -1]}}, b"\0" * 8), "a: shape [-2, -1] of float32 does not fill data_offsets [0, 8]"),
+])
+def test_safetensors_reader_refuses_malformed_files_in_one_line(data: bytes, message: str):
+    with pytest.raises(ArrayFileError) as error:
+        parse_safetensors(data)
+    assert str(error.value) == message
 
 
 def test_wire_walk_finds_external_data_anywhere_and_assembly_round_trips():
@@ -73,3 +101,146 @@ def test_materialize_refuses_regions_that_do_not_fit():
     ]:
         with pytest.raises(ValueError, match=message):
             materialize(cut, shared, tier)
+
+
+# -- protobuf wire format -------------------------------------------------------------------------
+
+
+def key(number: int, wire_type: int) -> bytes:
+    """A field's key, for field numbers below 16 (one byte)."""
+    assert number < 16
+    return bytes([number << 3 | wire_type])
+
+
+@pytest.mark.parametrize("encoded, value", [
+    (b"\x00", 0), (b"\x01", 1), (b"\x7f", 127), (b"\x80\x01", 128), (b"\xac\x02", 300), (b"\xff\xff\xff\xff\x0f", 2**32 - 1),
+    (b"\xff" * 8 + b"\x7f", 2**63 - 1), (b"\xff" * 9 + b"\x01", 2**64 - 1),
+])
+def test_varints_decode_up_to_ten_bytes(encoded: bytes, value: int):
+    assert list(fields(key(1, 0) + encoded)) == [(1, 0, value)]
+
+
+def test_fields_reads_every_wire_type_and_skips_nothing():
+    data = (key(1, 0) + b"\x96\x01" + key(2, 1) + (2**40 + 5).to_bytes(8, "little") + key(3, 5) + (70000).to_bytes(4, "little")
+            + key(4, 2) + b"\x03abc" + key(4, 2) + b"\x00" + key(15, 2) + b"\x80\x01" + bytes(range(128)))
+    out = [(n, t, bytes(v) if isinstance(v, memoryview) else v) for n, t, v in fields(data)]
+    assert out == [(1, 0, 150), (2, 1, 2**40 + 5), (3, 5, 70000), (4, 2, b"abc"), (4, 2, b""), (15, 2, bytes(range(128)))]
+    model = helper.make_model(helper.make_graph([], "g", [], []), producer_name="p", ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17)])
+    assert [(n, t) for n, t, _ in fields(model.SerializeToString())] == [(1, 0), (2, 2), (7, 2), (8, 2)]
+
+
+@pytest.mark.parametrize("data, message", [
+    (key(1, 0), "truncated or overlong varint"),
+    (key(1, 0) + b"\x80", "truncated or overlong varint"),
+    (key(1, 0) + b"\xff" * 10 + b"\x01", "truncated or overlong varint"),  # eleven bytes
+    (key(2, 1) + bytes(7), "truncated fixed-width field"),
+    (key(3, 5) + bytes(3), "truncated fixed-width field"),
+    (key(4, 2) + b"\x04abc", "truncated length-delimited field"),
+    (key(4, 3), "unsupported wire type 3"),
+    (key(4, 6), "unsupported wire type 6"),
+    (b"\x00\x00", "field number 0"),
+])
+def test_malformed_messages_raise_one_line(data: bytes, message: str):
+    with pytest.raises(WireError) as error:
+        list(fields(data))
+    assert str(error.value) == message
+    assert list(fields(key(2, 1) + bytes(8))) == [(2, 1, 0)] and list(fields(key(3, 5) + bytes(4))) == [(3, 5, 0)]
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(-4, 4, dtype=np.int8).reshape(2, 2, 2), np.arange(300, dtype=np.uint8),
+    np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int64) * 2**40, np.array([True, False]), np.ones((1, 2), np.float16),
+    np.linspace(0, 1, 50), np.arange(12, dtype=">f4").reshape(3, 4), np.arange(12, dtype=np.float32).reshape(3, 4).T,
+    np.zeros((0, 3), np.float32),
+])
+def test_tensor_proto_is_what_onnx_reads(array: np.ndarray):
+    tensor = onnx.TensorProto()
+    tensor.ParseFromString(tensor_proto("wé", array))
+    assert tensor.name == "wé" and list(tensor.dims) == list(array.shape)
+    read = numpy_helper.to_array(tensor)
+    assert read.dtype == array.dtype.newbyteorder("=") and read.shape == array.shape
+    np.testing.assert_array_equal(read, array)
+
+
+def test_tensor_proto_refuses_a_dtype_onnx_has_no_type_for_here():
+    with pytest.raises(ValueError) as error:
+        tensor_proto("z", np.zeros(2, np.complex64))
+    assert str(error.value) == "z: dtype complex64 has no ONNX tensor type here"
+
+
+def external(name: str, by: str = "location") -> onnx.TensorProto:
+    """A tensor whose data is in ``weights.bin``: marked by data_location, or by its external_data entries only."""
+    tensor = numpy_helper.from_array(np.arange(3, dtype=np.float32), name)
+    tensor.ClearField("raw_data")
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", "weights.bin"
+    if by == "location":
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+    return tensor
+
+
+def model_with(graph_nodes=(), initializers=(), sparse=(), functions=()) -> onnx.ModelProto:
+    graph = helper.make_graph(list(graph_nodes), "g", [], [], initializer=list(initializers), sparse_initializer=list(sparse))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+                             ir_version=8, functions=list(functions))
+
+
+def test_external_data_is_found_in_every_place_a_tensor_can_be():
+    inside = numpy_helper.from_array(np.arange(3, dtype=np.float32), "inside")
+    sparse = helper.make_sparse_tensor(external("sv"), numpy_helper.from_array(np.array([0, 1, 2], np.int64), "si"), [3])
+    sparse_index = helper.make_sparse_tensor(inside, external("sidx", by="entries"), [3])
+    attribute_sparse = helper.make_sparse_tensor(external("asv"), numpy_helper.from_array(np.array([1], np.int64), "ai"), [3])
+    subgraph = helper.make_graph([], "sub", [], [], initializer=[external("in_subgraph")])
+    node = helper.make_node("Custom", ["x"], ["y"], domain="local", t=external("t"), tensors=[inside, external("ts")],
+                            sparse=attribute_sparse, sparses=[attribute_sparse], g=subgraph, graphs=[subgraph, subgraph])
+    function = helper.make_function("local", "F", ["x"], ["y"], [helper.make_node("Constant", [], ["y"], value=external("in_f"))],
+                                    [helper.make_opsetid("", 17)])
+    model = model_with([node], [inside, external("init"), external("by_entries", by="entries")], [sparse, sparse_index], [function])
+    assert external_tensors(model.SerializeToString()) == [
+        "in_subgraph", "in_subgraph", "in_subgraph", "asv", "asv", "t", "ts",  # the node's attributes (sorted by name)
+        "init", "by_entries", "sv", "sidx", "in_f",  # initializers, sparse ones, then the model-local function
+    ]
+    assert external_tensors(model_with([], [inside]).SerializeToString()) == []
+
+
+def test_external_data_is_found_whatever_the_field_order_and_unknown_fields():
+    tensor = external("w").SerializeToString()
+    unknown = b"\xf8\x06\x01"  # field 111, varint 1: skipped like any unknown field
+    attribute = b"".join([key(1, 2), b"\x05value", b"\xa0\x01\x04", key(5, 2), bytes([len(tensor)]), tensor])  # type (20) before t
+    node = key(4, 2) + b"\x08Constant" + key(5, 2) + bytes([len(attribute)]) + attribute
+    graph = unknown + key(1, 2) + bytes([len(node)]) + node + key(5, 2) + bytes([len(tensor)]) + tensor
+    model = b"\x08\x08" + key(7, 2) + bytes([len(graph)]) + graph
+    assert external_tensors(model) == ["w", "w"]
+    bad_utf8 = tensor.replace(b"\x42\x01w", b"\x42\x01\xff")  # name field 8: "w" -> one invalid byte
+    assert external_tensors(b"\x08\x08" + key(7, 2) + bytes([len(bad_utf8) + 2]) + key(5, 2) + bytes([len(bad_utf8)]) + bad_utf8) == ["\ufffd"]
+    nameless = onnx.TensorProto(data_location=onnx.TensorProto.EXTERNAL).SerializeToString()
+    graph = key(5, 2) + bytes([len(nameless)]) + nameless
+    assert external_tensors(key(7, 2) + bytes([len(graph)]) + graph) == ["<unnamed tensor>"]
+    plain = numpy_helper.from_array(np.arange(2, dtype=np.float32), "v").SerializeToString()
+    # field 13 as a varint (not an external_data entry); data_location DEFAULT; an unknown data_location
+    for payload in (plain + b"\x68\x00", plain + b"\x70\x00", plain + b"\x70\x02"):
+        graph = key(5, 2) + bytes([len(payload)]) + payload
+        assert external_tensors(key(7, 2) + bytes([len(graph)]) + graph) == []
+
+
+def test_with_initializers_appends_every_array_to_the_main_graph():
+    model = model_with([], [numpy_helper.from_array(np.zeros(1, np.float32), "first")])
+    arrays = {"a": np.arange(2, dtype=np.int64), "b": np.linspace(0, 1, 200).astype(np.float32)}  # b: an 800-byte payload
+    out = onnx.load_model_from_string(with_initializers(model.SerializeToString(), arrays))
+    assert [t.name for t in out.graph.initializer] == ["first", "a", "b"]
+    for tensor in out.graph.initializer[1:]:
+        np.testing.assert_array_equal(numpy_helper.to_array(tensor), arrays[tensor.name])
+    appended = with_initializers(b"", arrays)
+    assert [(n, t) for n, t, _ in fields(appended)] == [(7, 2)]
+    graph = next(v for _, _, v in fields(appended))
+    assert [(n, t, bytes(v)) for n, t, v in fields(graph)] == [(5, 2, tensor_proto(k, a)) for k, a in arrays.items()]
+
+
+def test_an_unknown_field_is_not_read_as_a_tensor():
+    """onnxruntime skips unknown fields, so a tensor hidden in one is never loaded: not reported."""
+    hidden = external("hidden").SerializeToString()
+    values = numpy_helper.from_array(np.arange(1, dtype=np.float32), "v").SerializeToString()
+    sparse = key(1, 2) + bytes([len(values)]) + values + key(9, 2) + bytes([len(hidden)]) + hidden
+    graph = key(15, 2) + bytes([len(sparse)]) + sparse + key(9, 2) + bytes([len(hidden)]) + hidden
+    assert external_tensors(key(7, 2) + bytes([len(graph)]) + graph) == []

@@ -12,11 +12,18 @@ surviving mutants of each module are printed right after its run::
     python tools/mutation.py                          # every module
     python tools/mutation.py nefl_zoo.fl.aggregate    # one module
     python tools/mutation.py nefl_zoo.runtime.tiers MUTANT...   # only these mutants of it, again
+    python tools/mutation.py --sample 120 nefl_zoo.fl.batched   # 120 of its mutants, drawn with seed 0
+
+``--sample N [--seed S]`` scores a module whose full run would not fit in a session: N of its
+mutants drawn at random (``random.Random(S)``, from the sorted names), the same N for the same
+code and seed.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import random
 import sys
 import tomllib
 from collections import Counter
@@ -37,9 +44,25 @@ def in_file_order(tests: list[str], selection: list[str]) -> list[str]:
     return sorted(tests, key=lambda t: files.index(t.split("::")[0]) if t.split("::")[0] in files else len(files))
 
 
-def run(module: str, entry: dict, names: list[str] | None = None) -> None:
-    """Mutate ``module`` and run its mutants (or only ``names``) against ``entry["tests"]``;
-    print the score and the survivors."""
+def sample_names(module: str, size: int, seed: int) -> list[str]:
+    """``size`` names drawn with ``seed`` from the sorted mutants of ``module`` (generated first)."""
+    from mutmut.__main__ import (collect_source_file_mutation_data, copy_also_copy_files, copy_src_dir,
+                                 create_mutants, setup_source_paths)
+
+    Path("mutants").mkdir(exist_ok=True)
+    copy_src_dir()
+    copy_also_copy_files()
+    setup_source_paths()
+    create_mutants(1)
+    mutants, _ = collect_source_file_mutation_data(mutant_names=[f"{module}.*"])
+    names = sorted(name for _, name, _ in mutants)
+    print(f"{module}: {min(size, len(names))} of its {len(names)} mutants drawn with seed {seed}")
+    return sorted(random.Random(seed).sample(names, min(size, len(names))))
+
+
+def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[int, int] | None = None) -> None:
+    """Mutate ``module`` and run its mutants (or only ``names``, or a ``sample`` of (size,
+    seed)) against ``entry["tests"]``; print the score and the survivors."""
     import mutmut.configuration as configuration
     from mutmut.__main__ import cli, collect_source_file_mutation_data
     from mutmut.runners.harness import PytestRunner
@@ -53,6 +76,8 @@ def run(module: str, entry: dict, names: list[str] | None = None) -> None:
     )
     regular_args = PytestRunner._pytest_args_regular_run
     PytestRunner._pytest_args_regular_run = lambda self, ids: regular_args(self, in_file_order(list(ids), tests))
+    if sample:
+        names = sample_names(module, *sample)
     try:
         cli(["run", "--max-children", "1", *(names or [f"{module}.*"])], standalone_mode=False)
     except SystemExit as exc:  # mutmut exits when the clean run of the tests fails
@@ -72,12 +97,17 @@ def run(module: str, entry: dict, names: list[str] | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="Mutation testing, one module at a time (TESTING.md).")
+    parser.add_argument("names", nargs="*", help="modules (default: every one), or one module and some of its mutants")
+    parser.add_argument("--sample", type=int, help="score this many of each module's mutants, drawn at random")
+    parser.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    args = parser.parse_args(argv)
     table = modules()
-    if argv and any("__mutmut_" in a for a in argv[1:]):
-        run(argv[0], table[argv[0]], argv[1:])
+    if args.names and any("__mutmut_" in a for a in args.names[1:]):
+        run(args.names[0], table[args.names[0]], args.names[1:])
         return
-    for module in argv or list(table):
-        run(module, table[module])
+    for module in args.names or list(table):
+        run(module, table[module], sample=(args.sample, args.seed) if args.sample else None)
 
 
 if __name__ == "__main__":

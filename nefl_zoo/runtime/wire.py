@@ -173,12 +173,13 @@ def _length_delimited(number: int, payload: bytes | memoryview) -> bytes:
 def tensor_proto(name: str, array: np.ndarray) -> bytes:
     """A serialized ``TensorProto`` holding ``array`` (little-endian raw data) under ``name``."""
     array = np.asarray(array)
-    if array.dtype not in ONNX_DTYPES:
+    native = array.dtype.newbyteorder("=")
+    if native not in ONNX_DTYPES:
         raise ValueError(f"{name}: dtype {array.dtype} has no ONNX tensor type here")
     out = bytearray()
     for dim in array.shape:
         out += _key(_TENSOR_DIMS, 0) + _encode_varint(int(dim))
-    out += _key(_TENSOR_TYPE, 0) + _encode_varint(ONNX_DTYPES[array.dtype])
+    out += _key(_TENSOR_TYPE, 0) + _encode_varint(ONNX_DTYPES[native])
     out += _length_delimited(_TENSOR_NAME, name.encode("utf-8"))
     out += _length_delimited(_TENSOR_RAW, array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
     return bytes(out)
