@@ -2,7 +2,6 @@
 initializer assembly, and slice materialization (no export needed)."""
 
 import json
-import re
 
 import numpy as np
 import onnx
