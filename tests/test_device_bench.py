@@ -19,8 +19,10 @@ from nefl_zoo.runtime.latency import (
     LatencyTableError,
     interleaved_times_ms,
     load_latency_table,
+    machine_description,
     measure_latency_table,
     median_p95,
+    parse_latency_table,
 )
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
@@ -262,3 +264,77 @@ def test_select_with_a_missing_table_exits_2(package, tmp_path):
     result = select(package, "--latency-table", tmp_path / "none.json")
     assert result.exit_code == 2
     assert_one_line(result.stderr, "none.json: cannot read the latency table")
+
+
+def test_for_batch_gives_the_percentile_asked_for_and_errors_name_the_file(table_file, tmp_path):
+    path = edited(table_file, tmp_path, lambda d: [e.update(p95_ms=2 * e["median_ms"] + 1) for e in d["entries"]])
+    table = load_latency_table(path)
+    assert table.for_batch(2) == table.for_batch(2, "median") == {e.label: e.median_ms for e in table.entries if e.batch == 2}
+    assert table.for_batch(2, "p95") == {e.label: 2 * e.median_ms + 1 for e in table.entries if e.batch == 2}
+    with pytest.raises(ValueError) as err:
+        table.for_batch(2, "p50")
+    assert str(err.value) == "percentile: expected median or p95, got 'p50'"
+    saved = tmp_path / "moved.json"
+    table.save(saved)
+    assert saved.read_text().startswith('{\n  "schema": "nefl-zoo-latency-table",\n  "version": 1,')
+    assert not list(tmp_path.glob(".*.tmp"))
+    with pytest.raises(LatencyTableError) as err:
+        table.for_batch(9)
+    assert str(err.value).startswith(f"{saved}: entries: nothing measured at batch 9")
+
+
+def test_check_matches_names_the_file_it_read(table_file, tmp_path, package):
+    manifest = load_manifest(package)
+    renamed = edited(table_file, tmp_path, lambda d: [e.update(label="g1" + e["label"]) for e in d["entries"]])
+    with pytest.raises(LatencyTableError) as err:
+        load_latency_table(renamed).check_matches(manifest, 1)
+    assert str(err.value) == (f"{renamed}: entries: no entry for small at batch 1 "
+                              "(run `python -m nefl_zoo.runtime bench --batch 1` on the device)")
+    stale = edited(table_file, tmp_path, lambda d: d["entries"][1].update(sha256="0" * 64))
+    with pytest.raises(LatencyTableError) as err:
+        load_latency_table(stale).check_matches(manifest, 1)
+    assert str(err.value).startswith(f"{stale}: entries[1].sha256: big was timed on another file")
+
+
+@pytest.mark.parametrize("data, kind", [([1, 2], "list"), ("table", "str"), (None, "NoneType")])
+def test_a_table_that_is_not_an_object_is_one_line(data, kind):
+    with pytest.raises(LatencyTableError) as err:
+        parse_latency_table(data, "dev.json")
+    assert str(err.value) == f"dev.json: expected a JSON object, got {kind}"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"runs": 0}, "runs: must be an integer >= 1, got 0"), ({"runs": True}, "runs: must be an integer >= 1, got True"),
+    ({"warmup": -1}, "warmup: must be an integer >= 0, got -1"), ({"warmup": 1.0}, "warmup: must be an integer >= 0, got 1.0"),
+    ({"batches": [True]}, "batch: expected integers >= 1, got [True]"), ({"batches": []}, "batch: expected integers >= 1, got []"),
+    ({"batches": [2, 0]}, "batch: expected integers >= 1, got [2, 0]"),
+])
+def test_bad_counts_are_refused_before_timing(package, kwargs, message):
+    runtime = TierRuntime(package)
+    with pytest.raises(ValueError) as err:
+        measure_latency_table(runtime, **{"batches": [1], "runs": 1, "warmup": 0, **kwargs})
+    assert str(err.value) == message and runtime._sessions == {}
+
+
+def test_the_table_records_the_runtime_threads_and_counts(package):
+    table = measure_latency_table(TierRuntime(package, threads=1), [1], runs=2, warmup=1, labels=["big"])
+    assert (table.threads, table.runs, table.warmup, [e.label for e in table.entries]) == (1, 2, 1, ["big"])
+
+
+def test_interleaved_times_take_no_warmup_unless_asked():
+    ticks, calls = iter(range(100)), []
+    times = interleaved_times_ms({"a": lambda: calls.append("a")}, 2, clock=lambda: next(ticks))
+    assert calls == ["a", "a"] and times == {"a": [1000.0, 1000.0]}
+
+
+def test_machine_description_falls_back_when_the_platform_says_nothing(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    monkeypatch.setattr("os.cpu_count", lambda: None)
+    machine = machine_description()
+    assert (machine.processor, machine.cpu_count, machine.provider) == ("riscv64", 1, "CPUExecutionProvider")
+    monkeypatch.setattr(platform, "processor", lambda: "Acme 9")
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert (machine_description("X").processor, machine_description().cpu_count, machine_description("X").provider) == ("Acme 9", 6, "X")
