@@ -19,7 +19,6 @@ sizes): the family nests by width only.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from typing import ClassVar
 
 import torch
