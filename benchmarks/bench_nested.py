@@ -29,13 +29,15 @@ Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single
    stream's core, busy loops on both cores, idle, a matrix multiplication on each core, idle
    (each load process bound to its core; ``--order``: static, adaptive, adaptive, static by
    default, so that other jobs' load falls on both alike). The deadline is
-   ``--deadline-factor`` x static's idle p95 latency (a deadline static meets when idle). Two
-   streams: batch 1 every 5 ms (the deployment case; a 0.3 ms request finishes inside a time
-   slice, so contention hardly slows it) and batch 128 every 100 ms (a 15 ms request, long
-   enough that the scheduler shares its core with the load). Per phase and policy: deadline misses (the ``run`` call's time against
-   the deadline, and from the request's scheduled time), mean accuracy of the entries served,
-   static's entry's share, switches per minute, requests, and the CPU that this process, its
-   load processes and everything else (other jobs, hypervisor steal) took.
+   ``--deadline-factor`` x static's idle p95 latency (numpy's interpolated 95th percentile, not
+   the device bench's nearest rank; a deadline static meets when idle). Two streams: batch 1
+   every 5 ms (the deployment case; a 0.3 ms request finishes inside a time slice, so
+   contention hardly slows it) and batch 128 every 100 ms (a 15 ms request, long enough that
+   the scheduler shares its core with the load). Per phase and policy: deadline misses (the
+   ``run`` call's time against the deadline, and from the request's scheduled time), mean
+   accuracy of the entries served, static's entry's share, switches per minute, requests,
+   and the CPU that this process, its load processes and everything else (other jobs,
+   hypervisor steal) took.
 
 Everything runs with one onnxruntime thread (2 shared cores; see the README section).
 
