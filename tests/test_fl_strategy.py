@@ -86,6 +86,16 @@ def test_fedavg_trains_the_full_model_on_every_client_or_only_on_full_model_clie
     assert set(instructions) == trained and {i.level for i in instructions.values()} == {"g1"}
 
 
+def test_fedavg_min_trains_the_smallest_tier_by_size_not_by_name():
+    tiers = [{"name": "full", "gamma_w": 1.0}, {"name": "half", "gamma_w": 0.5}, {"name": "quarter", "gamma_w": 0.25}]
+    strategy = tiny(method="fedavg_min", spec__tiers=tiers).build_strategy()
+    state = strategy.init_global_state()
+    clients = [ClientInfo(0, ("quarter",)), ClientInfo(1, ("half", "full")), ClientInfo(2, ("full",))]
+    instructions = strategy.configure_train(1, state, clients)
+    assert strategy.info.levels == ("quarter",)
+    assert set(instructions) == {0, 1, 2} and {i.level for i in instructions.values()} == {"quarter"}
+
+
 def test_registry_refuses_a_second_method_of_the_same_name():
     with pytest.raises(ValueError, match="'nefl' is registered twice"):
         register_method("nefl", label="again")(type("Again", (NeFL,), {}))
@@ -105,6 +115,10 @@ def test_fedprox_adds_the_proximal_term_to_the_loss():
         loss, _ = local.loss(x, y)
         base, _ = local.base.loss(x, y)
     assert float(loss - base) == pytest.approx(0.5 / 2 * fc.numel() * 0.1**2, rel=1e-4)
+    assert torch.equal(local(x), local.base(x))  # the term is in the loss only
+    # the received values are buffers that move with the model but are not part of its state
+    assert any(k.startswith("anchor") for k, _ in local.named_buffers())
+    assert not any(k.startswith("anchor") for k in local.state_dict())
 
 
 def test_fedprox_with_mu_zero_gives_nefl_tensors_exactly_and_mu_changes_the_update(tmp_path):

@@ -249,6 +249,31 @@ def test_fedavg_has_no_step_sizes_to_learn(method):
     assert local.state().keys() == strategy.entries(tier).keys()
 
 
+# -- HeteroFL --------------------------------------------------------------------------------
+
+def test_heterofl_divides_every_convolution_by_its_width_rate_in_training_only_and_keeps_bn_static():
+    method = config("heterofl").build_strategy()
+    torch.manual_seed(0)
+    state = method.init_global_state()
+    tier = "g0.4"
+    local = method.client_model(tier, SliceMap(dict(method.entries(tier))).extract(state))
+    conv, x = local.net.conv1, torch.randn(4, 1, 8, 8)
+    raw = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    rate = math.sqrt(method.compiled[tier].tier.gamma_w)  # the width (channel) ratio: gamma_w is the parameter ratio
+    local.train()
+    assert torch.allclose(conv(x), raw / rate)
+    local.eval()  # at test time without the scaler
+    assert torch.equal(conv(x), raw)
+    # static BN: training uses batch statistics and leaves the running ones untouched
+    norms = [m for m in local.net.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all(m.track_running_stats is False for m in norms)
+    before = [m.running_mean.clone() for m in norms]
+    local.train()
+    local(torch.randn(8, 1, 8, 8))
+    assert all(torch.equal(m.running_mean, b) for m, b in zip(norms, before))
+    assert not any(k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in local.state())
+
+
 # -- BN statistics at evaluation -------------------------------------------------------------
 
 def test_recompute_gives_the_same_statistics_whichever_method_calls_it():

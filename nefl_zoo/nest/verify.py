@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..slim.slicemap import region_key
+
 
 @torch.no_grad()
 def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
@@ -26,7 +28,7 @@ def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
             state[key].fill_(slim.get_parameter(key).item())
         else:
             index = full.slice_index(key, slim.state_dict()[key].shape, state[key].shape)
-            state[key][_mesh(index)] = slim.state_dict()[key]
+            state[key][region_key(index)] = slim.state_dict()[key]
     for key, value in state.items():
         if key.endswith("running_var"):
             value[value == 0] = 1
@@ -44,10 +46,3 @@ def randomise_zeros(module: nn.Module) -> nn.Module:
         if p.is_floating_point() and p.numel() > 1 and not bool(p.any()):
             p.normal_(0, 0.02)
     return module
-
-
-def _mesh(index: tuple) -> tuple:
-    from ..slim.slicemap import SliceEntry
-
-    shape = tuple(i.stop - (i.start or 0) if isinstance(i, slice) else len(i) for i in index)
-    return SliceEntry("", index, shape, "", True)._key

@@ -29,6 +29,17 @@ def split_tier_key(global_key: str) -> tuple[str, str | None]:
     return key, tier or None
 
 
+def region_key(index: tuple) -> tuple:
+    """What indexes the region ``index`` (per dimension a ``slice`` or a 1-D LongTensor) of a
+    tensor: the slices themselves, or an open mesh of index tensors, so that ``t[key]`` has one
+    dimension per entry of ``index``."""
+    if all(isinstance(i, slice) for i in index):
+        return index
+    n = len(index)
+    return tuple((torch.arange(i.start or 0, i.stop) if isinstance(i, slice) else i).view([-1 if d == k else 1 for k in range(n)])
+                 for d, i in enumerate(index))
+
+
 @dataclass(frozen=True, eq=False)
 class SliceEntry:
     """One submodel tensor: its global key, its index region and its kind."""
@@ -41,17 +52,7 @@ class SliceEntry:
     _key: tuple = field(init=False, repr=False)
 
     def __post_init__(self):
-        if all(isinstance(i, slice) for i in self.index):
-            key = self.index
-        else:  # an open mesh of index tensors, so that t[key] has exactly ``shape``
-            n = len(self.index)
-            key = tuple(
-                (torch.arange(i.start or 0, i.stop) if isinstance(i, slice) else i).view(
-                    [-1 if d == k else 1 for k in range(n)]
-                )
-                for d, i in enumerate(self.index)
-            )
-        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_key", region_key(self.index))
 
     @property
     def numel(self) -> int:
