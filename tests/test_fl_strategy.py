@@ -96,6 +96,40 @@ def test_fedavg_min_trains_the_smallest_tier_by_size_not_by_name():
     assert set(instructions) == {0, 1, 2} and {i.level for i in instructions.values()} == {"quarter"}
 
 
+def test_fedavgm_moves_the_global_model_by_server_momentum_and_averages_statistics():
+    strategy = tiny(method="fedavgm", method_args={"server_lr": 0.5, "momentum": 0.25}).build_strategy()
+    torch.manual_seed(0)
+    w0 = strategy.init_global_state()
+    weight, stat = "layer1.0.conv1.weight", next(k for k in w0 if "running_mean" in k)
+    # round 1: both replies hold 1 (w_avg = 1): d = w0 - 1, v = d, w1 = w0 - 0.5 * d
+    first = strategy.aggregate_train(1, w0, {0: filled(strategy, "g1", 1.0), 1: filled(strategy, "g1", 1.0),
+                                             2: Reply({}, {}, error="client ran out of memory")})
+    assert first.accepted == 2 and [cid for cid, _ in first.rejected] == [2]
+    d1 = w0[weight] - 1.0
+    assert torch.allclose(first.state[weight], w0[weight] - 0.5 * d1)
+    assert torch.equal(first.state[stat], torch.ones_like(w0[stat]))  # statistics averaged, not moved
+    assert stat not in strategy.server_state() and torch.allclose(strategy.server_state()[weight], d1)
+    # round 2: replies hold 3: v = 0.25 * v + (w1 - 3), w2 = w1 - 0.5 * v
+    w1 = first.state
+    second = strategy.aggregate_train(2, w1, {0: filled(strategy, "g1", 3.0)})
+    v2 = 0.25 * d1 + (w1[weight] - 3.0)
+    assert torch.allclose(second.state[weight], w1[weight] - 0.5 * v2)
+    # a round without an accepted reply changes neither the model nor the momentum
+    idle = strategy.aggregate_train(3, second.state, {0: Reply({}, {}, error="gone")})
+    assert idle.accepted == 0 and torch.equal(idle.state[weight], second.state[weight])
+    assert torch.allclose(strategy.server_state()[weight], v2)
+    # the momentum is server state: a fresh strategy loaded with it takes the same next step
+    resumed = tiny(method="fedavgm", method_args={"server_lr": 0.5, "momentum": 0.25}).build_strategy()
+    resumed.load_server_state(strategy.server_state())
+    replies = {0: filled(strategy, "g1", 2.0)}
+    assert torch.equal(resumed.aggregate_train(3, second.state, replies).state[weight],
+                       strategy.aggregate_train(3, second.state, replies).state[weight])
+    bad = {f"w{i}": torch.zeros(1) for i in range(5)}
+    with pytest.raises(ValueError) as error:
+        resumed.load_server_state(bad)
+    assert str(error.value) == "fedavgm: server state holds ['w0', 'w1', 'w2'], not momentum of the global state"
+
+
 def test_registry_refuses_a_second_method_of_the_same_name():
     with pytest.raises(ValueError, match="'nefl' is registered twice"):
         register_method("nefl", label="again")(type("Again", (NeFL,), {}))
