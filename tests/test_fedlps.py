@@ -278,6 +278,14 @@ def test_level_costs_shrink_with_the_pruning_ratio():
     assert costs["g0.25"].macs < costs["g0.5"].macs < costs["g1"].macs < costs["g1"].full_macs  # one shared encoder
     assert costs["g0.25"].predictor_params < costs["g0.5"].predictor_params < costs["g1"].predictor_params
     assert strategy.submodel_numel("g1") == sum(strategy.submodel_numel(t) for t in strategy.tasks)
+    # against one full model per task, with that task's classes
+    from nefl_zoo.models import create_model
+    from nefl_zoo.profile import count_macs
+
+    spec = strategy.run.spec
+    full = sum(count_macs(create_model(spec.model, **{**spec.model_args, "num_classes": strategy.task_classes[task]}),
+                          strategy.info.input_size) for task in strategy.tasks)
+    assert all(c.full_macs == full for c in costs.values()) and costs["g0.5"].macs_ratio == costs["g0.5"].macs / full
 
 
 def test_fedlps_learns_every_task_from_a_backbone_pretrained_on_data_no_client_holds(tmp_path):
