@@ -132,3 +132,76 @@ def test_the_shipped_folders_config_numbers_its_tasks_as_the_data_does():
     assert [t.labels for t in strategy.settings.tasks] == [list(range(10 * k, 10 * k + 10)) for k in range(4)]  # load_sources' order
     kept = sum(p.numel() for p in strategy.predictor("svhn", strategy.level_masks("g0.2"))[0].parameters())
     assert kept / sum(p.numel() for p in strategy.predictor("svhn")[0].parameters()) < 0.05  # ResNet18 at rho 0.8: about 4%
+
+
+# -- tasks: label groups, routing and the labels of a dataset -----------------------------------
+
+def test_check_tasks_refuses_shared_labels_repeated_names_and_the_removed_relabelling_tasks():
+    from nefl_zoo.fl.methods.fedlps.tasks import REMOVED, TaskSpec, check_tasks
+
+    good = [TaskSpec(name="a", labels=[0, 1]), TaskSpec(name="b", labels=[2, 3])]
+    assert check_tasks(good) is good
+    assert check_tasks([{"name": "a", "labels": [0, 1]}, {"name": "b", "labels": [2, 3]}])
+    for tasks, message in [
+        (["class", "parity"], REMOVED),
+        ([TaskSpec(name="a", labels=[0, 1]), TaskSpec(name="a", labels=[2, 3])], "task names must be distinct, got ['a', 'a']"),
+        ([{"name": "a", "labels": [0, 1]}, {"name": "b", "labels": [1, 2]}], "a label belongs to two tasks (tasks must not share images)"),
+        ([TaskSpec(name="a", labels=[0, 1]), TaskSpec(name="b", labels=[1, 2])], "a label belongs to two tasks (tasks must not share images)"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            check_tasks(tasks)
+        assert str(error.value) == message
+
+
+def test_a_task_set_routes_each_image_to_its_task_with_task_local_labels_and_counts_them():
+    from nefl_zoo.fl.methods.fedlps.tasks import TaskSet, TaskSpec
+
+    tasks = TaskSet([TaskSpec(name="odd", labels=[5, 1, 3]), TaskSpec(name="even", labels=[0, 2, 4])], 6)
+    assert tasks.names == ["odd", "even"] and tasks.classes == {"odd": 3, "even": 3}
+    routed = tasks.route(torch.tensor([4, 5, 3, 0]))
+    assert list(routed) == ["odd", "even"]
+    assert routed["odd"][0].tolist() == [1, 2] and routed["odd"][1].tolist() == [0, 2]  # 5 and 3: local 0 and 2
+    assert routed["even"][0].tolist() == [0, 3] and routed["even"][1].tolist() == [2, 0]
+    assert list(tasks.route(torch.tensor([1, 1]))) == ["odd"]  # a task without images is left out
+    # uint8 labels (as torchvision keeps MNIST's) are labels, not a mask
+    assert tasks.counts(np.array([1, 1, 0, 3], dtype=np.uint8)) == {"odd": 3, "even": 1}
+    assert tasks.counts(np.array([2, 4], dtype=np.int64)) == {"odd": 0, "even": 2}
+    with pytest.raises(ValueError) as error:
+        TaskSet([TaskSpec(name="a", labels=[0, 1]), TaskSpec(name="b", labels=[3, 4])], 5)
+    assert str(error.value) == "fedlps: the tasks' labels [0, 1, 3, 4] must be the dataset's labels 0..4, each in one task"
+
+
+def test_dataset_labels_reads_labels_without_loading_an_image():
+    from torch.utils.data import Dataset, Subset
+
+    from nefl_zoo.fl.methods.fedlps.tasks import dataset_labels
+
+    class Unloadable(Dataset):
+        def __init__(self, **labels):
+            self.__dict__.update(labels)
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            raise AssertionError("an image was loaded")
+
+    class Wrapped(Unloadable):  # a transformed wrapper of another dataset
+        pass
+
+    class Plain(Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            if i >= 3:
+                raise IndexError(i)
+            return torch.zeros(1), torch.tensor(2 - i)
+
+    assert dataset_labels(Unloadable(labels=[3, 1, 4, 1])).tolist() == [3, 1, 4, 1]
+    assert dataset_labels(Unloadable(targets=torch.tensor([0, 2, 2, 9]))).tolist() == [0, 2, 2, 9]
+    assert dataset_labels(Wrapped(base=Unloadable(targets=[5, 6, 7, 8]))).tolist() == [5, 6, 7, 8]
+    nested = Subset(Subset(Unloadable(labels=[10, 11, 12, 13]), [3, 1, 2]), [2, 0])
+    assert dataset_labels(nested).tolist() == [12, 13]
+    assert dataset_labels(Subset(Unloadable(labels=[10, 11, 12, 13]), [])).tolist() == []
+    assert dataset_labels(Plain()).tolist() == [2, 1, 0]  # no attribute: read item by item
