@@ -247,3 +247,19 @@ def test_methods_that_split_the_network_refuse_an_automatically_nested_one_in_on
                                          rf"but {method} needs its stages and head apart; use a zoo model") as refused:
         config.build_strategy()
     assert "\n" not in str(refused.value)
+
+
+def test_randomise_zeros_fills_only_all_zero_tensors_with_small_values():
+    from nefl_zoo.nest.verify import randomise_zeros
+
+    torch.manual_seed(0)
+    head = nn.Linear(8, 64)
+    nn.init.zeros_(head.weight)  # a zero-initialised head would hide a wrong slice
+    kept = head.bias.detach().clone()
+    module = nn.Module()
+    module.head, module.scale = head, nn.Parameter(torch.zeros(1))  # a scalar (a step size at 0): left alone
+    module.pair = nn.Parameter(torch.zeros(2))
+    assert randomise_zeros(module) is module
+    assert torch.equal(head.bias, kept) and float(module.scale) == 0.0
+    assert bool(head.weight.ne(0).all()) and bool(module.pair.ne(0).all())
+    assert 0.01 < float(head.weight.std()) < 0.03 and abs(float(head.weight.mean())) < 0.005
