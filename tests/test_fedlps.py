@@ -18,6 +18,8 @@ from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_back
 from nefl_zoo.fl.methods.fedlps.method import BACKBONE_SHA256
 from nefl_zoo.fl.methods.fedlps.pretrain import public_data
 from nefl_zoo.fl.strategy import Reply
+from nefl_zoo.models import create_model
+from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import SliceMap
 
 from .conftest import TINY_VIT, tiny
@@ -279,9 +281,6 @@ def test_level_costs_shrink_with_the_pruning_ratio():
     assert costs["g0.25"].predictor_params < costs["g0.5"].predictor_params < costs["g1"].predictor_params
     assert strategy.submodel_numel("g1") == sum(strategy.submodel_numel(t) for t in strategy.tasks)
     # against one full model per task, with that task's classes
-    from nefl_zoo.models import create_model
-    from nefl_zoo.profile import count_macs
-
     spec = strategy.run.spec
     full = sum(count_macs(create_model(spec.model, **{**spec.model_args, "num_classes": strategy.task_classes[task]}),
                           strategy.info.input_size) for task in strategy.tasks)

@@ -257,13 +257,16 @@ def test_heterofl_divides_every_convolution_by_its_width_rate_in_training_only_a
     state = method.init_global_state()
     tier = "g0.4"
     local = method.client_model(tier, SliceMap(dict(method.entries(tier))).extract(state))
-    conv, x = local.net.conv1, torch.randn(4, 1, 8, 8)
-    raw = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
     rate = math.sqrt(method.compiled[tier].tier.gamma_w)  # the width (channel) ratio: gamma_w is the parameter ratio
-    local.train()
-    assert torch.allclose(conv(x), raw / rate)
-    local.eval()  # at test time without the scaler
-    assert torch.equal(conv(x), raw)
+    convs = [m for m in local.net.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) > 20  # resnet20: every convolution of every block, the stem and the shortcuts
+    for conv in convs:
+        x = torch.randn(2, conv.in_channels, 8, 8)
+        raw = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        local.train()
+        assert torch.allclose(conv(x), raw / rate)
+        local.eval()  # at test time without the scaler
+        assert torch.equal(conv(x), raw)
     # static BN: training uses batch statistics and leaves the running ones untouched
     norms = [m for m in local.net.modules() if isinstance(m, nn.BatchNorm2d)]
     assert norms and all(m.track_running_stats is False for m in norms)

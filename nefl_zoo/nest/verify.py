@@ -23,7 +23,7 @@ def zeroed_parity(compiled, tier: str, x: torch.Tensor) -> float:
         full = compiled.create_global_model().eval()
         state = {k: torch.zeros_like(v) for k, v in full.state_dict().items()}
         steps = set(full.step_keys())
-        for key, entry in compiled[tier].slice_map.items():
+        for key in compiled[tier].slice_map:
             if key in steps:
                 state[key].fill_(slim.get_parameter(key).item())
             else:
