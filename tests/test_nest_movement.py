@@ -10,6 +10,7 @@ from torch import nn
 from nefl_zoo.nest import NestError, nest
 from nefl_zoo.nest.ids import Channels, spread
 from nefl_zoo.nest.movement import branch_dim, channel_dim, folded, opaque, pad, unfolded
+from nefl_zoo.nest.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 
@@ -54,6 +55,15 @@ def test_a_function_kept_whole_is_accepted_where_it_only_moves_ids_also_through_
         opaque(lambda t: t * 2 + 1, (x,), {}, "o")  # computes new values
 
 
+def test_a_function_kept_whole_gets_its_keyword_arguments_integer_arguments_and_non_tensor_outputs():
+    x = image_ids(channels=3)
+    assert torch.equal(opaque(torch.roll, (x,), {"shifts": 1, "dims": 1}, "o"), x.roll(1, 1))
+    index = torch.tensor([2, 0])  # an index is no id: it must stay an integer (first try)
+    assert torch.equal(opaque(lambda t, i: t.index_select(1, i), (x, index), {}, "o"), x[:, [2, 0]])
+    resized, size = opaque(lambda t: (nn.functional.interpolate(t, size=(5, 5), mode="bilinear"), 5), (x,), {}, "o")
+    assert size == 5 and torch.equal(resized, image_ids(channels=3, size=5))
+
+
 def test_a_dimension_of_stacked_branches_or_tokens_is_no_channel_dimension():
     ch = Channels()
     ids = ch.new("conv", 3)
@@ -81,6 +91,42 @@ class Picked(nn.Module):
     def forward(self, x):
         y = self.conv(x).mean((2, 3))
         return self.fc(torch.cat([y, y[:, 3].unsqueeze(1)], 1))  # channel 3 by its position
+
+
+class Selections(nn.Module):
+    """Tokens beside a class token, then channel selections a tier re-cuts: a ``chunk``, a
+    ``split_with_sizes``, slices after an Ellipsis (one stopping before the end, one after a
+    leading ``:``) and an integer index into stacked branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(1, 12, 2, 2)
+        self.cls = nn.Parameter(torch.randn(1, 1, 12))
+        self.gate = nn.Linear(6, 6)
+        self.mix, self.tail = nn.Linear(5, 5), nn.Linear(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        t = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.embed(x).flatten(2).transpose(1, 2)], 1)
+        left, right = t.chunk(2, -1)
+        u, v = (self.gate(left) * torch.sigmoid(right)).split_with_sizes([2, 4], -1)
+        h = self.mix(t[..., 1:6]) + self.tail(t[:, ..., 7:11])
+        pair = torch.stack([h, torch.cat([u, v[..., :3]], -1)])
+        return self.head(pair[0] + pair[1]).mean(1)
+
+
+def test_channel_selections_of_tokens_beside_a_class_token_are_recut_in_a_tier():
+    torch.manual_seed(0)
+    name = nest(Selections(), (1, 1, 4, 4), name="selections")
+    compiled = compile_spec(parse_spec({"model": name, "tiers": [{"name": "t", "gamma_w": 0.3}, {"name": "f"}]}))
+    t = compiled["t"].slice_map
+    # each half of the chunk keeps 4 of 6 (full 0-3 and 6-9): [1:6] holds kept 1-3, [7:11] kept 7-9
+    assert t["embed.weight"].index[0].tolist() == t["cls"].index[2].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert t["mix.weight"].index == t["tail.weight"].index == (slice(0, 4), slice(0, 3))
+    x = torch.randn(2, 1, 4, 4)
+    with torch.no_grad():
+        assert float(compiled.create_global_model()(x).abs().max()) > 0.1
+    assert zeroed_parity(compiled, "t", x) < 1e-6
 
 
 @pytest.mark.parametrize("module, refusal", [

@@ -60,9 +60,10 @@ def sample_names(module: str, size: int, seed: int) -> list[str]:
     return sorted(random.Random(seed).sample(names, min(size, len(names))))
 
 
-def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[int, int] | None = None) -> None:
+def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[int, int] | None = None,
+        children: int = 1) -> None:
     """Mutate ``module`` and run its mutants (or only ``names``, or a ``sample`` of (size,
-    seed)) against ``entry["tests"]``; print the score and the survivors."""
+    seed)) against ``entry["tests"]``, ``children`` mutants at a time; print the score and the survivors."""
     import mutmut.configuration as configuration
     from mutmut.__main__ import cli, collect_source_file_mutation_data
     from mutmut.runners.harness import PytestRunner
@@ -79,7 +80,7 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
     if sample:
         names = sample_names(module, *sample)
     try:
-        cli(["run", "--max-children", "1", *(names or [f"{module}.*"])], standalone_mode=False)
+        cli(["run", "--max-children", str(children), *(names or [f"{module}.*"])], standalone_mode=False)
     except SystemExit as exc:  # mutmut exits when the clean run of the tests fails
         if exc.code:
             raise
@@ -101,13 +102,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("names", nargs="*", help="modules (default: every one), or one module and some of its mutants")
     parser.add_argument("--sample", type=int, help="score this many of each module's mutants, drawn at random")
     parser.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    parser.add_argument("--children", type=int, default=1,
+                        help="mutants run at once (default 1; one per core at most, with OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
     table = modules()
     if args.names and any("__mutmut_" in a for a in args.names[1:]):
-        run(args.names[0], table[args.names[0]], args.names[1:])
+        run(args.names[0], table[args.names[0]], args.names[1:], children=args.children)
         return
     for module in args.names or list(table):
-        run(module, table[module], sample=(args.sample, args.seed) if args.sample else None)
+        run(module, table[module], sample=(args.sample, args.seed) if args.sample else None, children=args.children)
 
 
 if __name__ == "__main__":

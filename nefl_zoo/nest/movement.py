@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .ids import Channels, channel_vector, join_rows, roots_of, varies
+from .ids import Channels, channel_vector, element_mask, join_rows, roots_of, varies
 from .sources import NestError
 
 
@@ -55,11 +55,14 @@ def record_move(ch: Channels, n, name: str, args, kwargs, out, where: str) -> No
 
 def channel_dim(ch: Channels, x: torch.Tensor, d: int) -> bool:
     """Whether positions along ``d`` are different channels: not tokens beside a class token,
-    nor positions each of which holds channels along another dimension."""
+    nor positions each of which holds channels along another dimension (a class token's
+    element beside a channel's patch positions belongs to that channel)."""
     if not (varies(x, d) and varies(roots_of(ch, x), d)):
         return False
     rows = x.movedim(d, 0).reshape(x.shape[d], -1)
-    return join_rows(ch, rows) is None and not branch_dim(x, d)
+    elements = element_mask(ch, rows)
+    own = torch.where(elements, -1, rows).amax(1, keepdim=True).expand_as(rows)
+    return join_rows(ch, rows) is None and not branch_dim(torch.where(elements, own, rows), 0)
 
 
 def branch_dim(x: torch.Tensor, d: int) -> bool:
