@@ -287,3 +287,107 @@ def test_batched_clients_equal_sequential_ones_in_float64_on_every_shipped_confi
             assert torch.equal(a, b), k
         else:
             assert float((a - b).abs().max()) <= 1e-6 * max(float(update), 1e-12), k
+
+
+# -- batched clients, unit by unit ----------------------------------------------------------------
+def _float64_clients(tmp_path, *overrides):
+    """An engine in float64 (restore the default dtype after use) and three train instructions of one tier."""
+    engine = _engine(tmp_path, *overrides)
+    engine.data.train.images = engine.data.train.images.double()
+    torch.manual_seed(engine.config.seed)
+    instructions = engine.strategy.configure_train(1, engine.strategy.init_global_state(), engine.clients)
+    level = max(i.level for i in instructions.values())
+    return engine, [i for i in instructions.values() if i.level == level]
+
+
+@pytest.fixture
+def float64():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+def test_fit_together_gives_each_client_what_fit_gives_it(tmp_path, float64):
+    """Clients of 40, 35 and 1 samples (batches 32 + 8, 32 + 3 and 1): partial groups at every
+    step, momentum carried over a partial group, clipping active; states, mean loss and
+    accuracy (over the samples each client saw) equal sequential training in float64."""
+    engine, instructions = _float64_clients(tmp_path, "train.momentum=0.9", "train.grad_clip=0.05", "train.min_batch=1")
+    instruction = instructions[0]
+    train = engine.data.client_dataset(engine.clients[0].cid).dataset
+    configs = [{**instruction.config, "seed": seed} for seed in (5, 6, 7)]
+    # the one-sample client holds a sample its first step gets right: its accuracy is 1 / 1
+    right = next(i for i in range(100) if fit(engine.strategy.local_model(instruction), torch.utils.data.Subset(train, [i]),
+                                              configs[2]).metrics["accuracy"] == 1.0)
+    datasets = [torch.utils.data.Subset(train, range(40)), torch.utils.data.Subset(train, range(40, 75)), torch.utils.data.Subset(train, [right])]
+    together = batched.fit_together([engine.strategy.local_model(instruction) for _ in datasets], datasets, configs)
+    for result, dataset, config in zip(together, datasets, configs):
+        alone = fit(engine.strategy.local_model(instruction), dataset, config)
+        assert result.num_samples == alone.num_samples == len(dataset)
+        assert result.metrics["accuracy"] == alone.metrics["accuracy"]
+        assert result.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-9)
+        for k, b in alone.state.items():
+            assert float((result.state[k] - b).abs().max()) <= 1e-9 * max(float(b.abs().max()), 1.0), k
+    assert together[2].metrics["accuracy"] == 1.0 and 0.0 < together[0].metrics["accuracy"] < 1.0
+
+
+def test_clients_train_together_only_with_equal_hyperparameters(tmp_path, float64, monkeypatch):
+    engine, instructions = _float64_clients(tmp_path, "clients.fraction=0.5")
+    a, b, c, *_ = instructions
+    b.config, c.config = {**b.config, "lr": 0.01}, {**c.config, "local_epochs": 2}
+    cids = {0: a, 1: b, 2: c}
+    data_of = lambda cid: engine.data.client_dataset(cid)  # noqa: E731
+    groups = []
+    real = batched.fit_together
+    monkeypatch.setattr(batched, "fit_together", lambda locals_, *rest: groups.append(len(locals_)) or real(locals_, *rest))
+    replies = batched.train_clients(engine.strategy, cids, data_of, lambda cid: None, parallel=4)
+    assert groups == []  # three groups of one: each trains alone with its own config
+    for cid, instruction in cids.items():
+        alone = fit(engine.strategy.local_model(instruction), data_of(cid), instruction.config).reply(instruction.level)
+        assert all(torch.equal(replies[cid].arrays[k], v) for k, v in alone.arrays.items())
+
+
+class _DoubledLoss(SubmodelLocal):
+    """Batchable, the same tensors as :class:`SubmodelLocal`, another loss."""
+
+    def loss(self, x, y):
+        loss, logits = super().loss(x, y)
+        return 2 * loss, logits
+
+
+class _Stub:
+    """A strategy whose clients are a model with dropout, a FedProx client, one without a local
+    model, and two batchable ones whose tensors match but whose losses differ."""
+
+    name = "stub"
+
+    def __init__(self, dropout_local, prox_local, plain, doubled):
+        self.locals = {0: dropout_local, 1: prox_local, 2: None, 3: plain, 4: doubled}
+
+    def local_model(self, instruction):
+        return self.locals[instruction.config["cid"]]
+
+
+def test_clients_that_cannot_batch_train_alone_each_reason_said_once(tmp_path, float64, caplog):
+    engine, instructions = _float64_clients(tmp_path)
+    instruction = instructions[0]
+    plain = engine.strategy.local_model(instruction)
+    dropout = SubmodelLocal(torch.nn.Sequential(plain.net, torch.nn.Dropout(0.1)))
+    prox = ProximalLocal(engine.strategy.local_model(instruction), 0.1)
+    doubled = _DoubledLoss(engine.strategy.local_model(instruction).net)
+    stub = lambda: _Stub(dropout, prox, engine.strategy.local_model(instruction), doubled)  # noqa: E731
+    called = []
+    batched._said.clear()
+    cids = {cid: type(instruction)(instruction.arrays, {**instruction.config, "cid": cid}, instruction.level) for cid in range(5)}
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.batched"):
+        replies = batched.train_clients(stub(), cids, engine.data.client_dataset, lambda cid: called.append(cid) or "own", 4)
+        batched.train_clients(stub(), cids, engine.data.client_dataset, lambda cid: "own", 4)
+    assert called == [2] and replies[2] == "own"  # only the client without a local model: the method's own step
+    assert replies[1].num_samples == len(engine.data.client_dataset(1))
+    for cid, local in ((3, engine.strategy.local_model(instruction)), (4, _DoubledLoss(engine.strategy.local_model(instruction).net))):
+        alone = fit(local, engine.data.client_dataset(cid), cids[cid].config).reply(instruction.level)
+        assert all(torch.equal(replies[cid].arrays[k], v) for k, v in alone.arrays.items()), cid  # not trained as one group
+    assert [r.getMessage() for r in caplog.records] == [
+        "stub: clients train one at a time, not batched: its client model uses dropout (random per batch)",
+        "stub: clients train one at a time, not batched: its client model (ProximalLocal) has a loss that is not a pure function of its tensors",
+        "stub: clients train one at a time, not batched: its client step is not plain local training"]
