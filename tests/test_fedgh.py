@@ -92,7 +92,11 @@ def test_bad_replies_are_rejected_and_the_header_still_updates():
         4: Reply({}, {}, error="crashed"),
     }
     result = strategy.aggregate_train(1, state, replies)
-    assert result.accepted == 1 and [cid for cid, _ in result.rejected] == [1, 2, 3, 4]
+    assert result.accepted == 1 and dict(result.rejected) == {
+        1: "lar contains NaN or Inf", 2: "lar shape (2, 4) and classes (2,) do not match (N, 3) and (N,)",
+        3: "lar_classes must be distinct class indices", 4: "crashed"}
+    # what a client downloads and uploads per round: the header, (rep_dim + 1) x classes
+    assert set(strategy.info.numel.values()) == {(3 + 1) * strategy.num_classes}
     assert not torch.equal(result.state["header.weight"], state["header.weight"])
 
 

@@ -19,10 +19,12 @@ from nefl_zoo_cli.app import app
 from nefl_zoo.fl.compare import Entry, entry_config, flatness, parse_entry, results_table
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
-from nefl_zoo.fl.strategy import Reply
+from nefl_zoo.fl.methods.depthfl import nefl_depth_spec
+from nefl_zoo.fl.strategy import Instruction, Reply
 from nefl_zoo.fl.strategy_utils import bn_treatments, with_bn
 from nefl_zoo.profile import count_params
 from nefl_zoo.slim import SliceMap
+from nefl_zoo.spec import parse_spec
 
 from .conftest import records
 
@@ -435,6 +437,11 @@ def test_depthfl_nefl_is_the_nefl_d_blocks_with_one_shared_classifier_and_bn():
     assert method.weighting == "clients" and method.local_model is not None
     with pytest.raises(ValueError, match="depth-only"):
         config("depthfl", method_args={"variant": "nefl"}).build_strategy()
+    # the blocks a tier keeps at step 1, fixed, whatever steps the NeFL-D spec starts from
+    spec = parse_spec({"model": "resnet20", "tiers": [{"name": "g", "learnable_steps": True, "steps": [[0.5, 1, 0], [1, 0, 0], [2, 0, 0]]}]})
+    tier = nefl_depth_spec(spec).tiers[0]
+    assert not tier.learnable_steps and tier.steps == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    assert config("depthfl").build_strategy().local_model(Instruction({}, {}, "g0.2")) is None  # the original: its own step
     with pytest.raises(ConfigError, match=r"method_args: depthfl: feddyn: variant nefl"):
         config("depthfl", method_args={"variant": "nefl", "feddyn": True})
 
