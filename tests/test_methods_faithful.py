@@ -20,8 +20,9 @@ from nefl_zoo.fl.compare import Entry, entry_config, flatness, parse_entry, resu
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
 from nefl_zoo.fl.methods.depthfl import nefl_depth_spec
+from nefl_zoo.fl.methods.fjord import distillation_loss
 from nefl_zoo.fl.strategy import Instruction, Reply
-from nefl_zoo.fl.strategy_utils import bn_treatments, with_bn
+from nefl_zoo.fl.strategy_utils import bn_treatments, module_macs, with_bn
 from nefl_zoo.profile import count_params
 from nefl_zoo.slim import SliceMap
 from nefl_zoo.spec import parse_spec
@@ -75,6 +76,24 @@ def test_fjord_self_distillation_is_on_by_default_and_matches_the_papers_loss(mo
     assert torch.allclose(losses[False], F.cross_entropy(student, y), atol=1e-5)
     assert torch.allclose(losses[True], F.cross_entropy(teacher, y) + kl, atol=1e-5)
     assert config("fjord").build_strategy().settings.distil is True
+    monkeypatch.setattr(local, "sample_width", lambda: 3)  # the widest width drawn: it is its own teacher, run once
+    assert torch.allclose(local.loss(x, y)[0], F.cross_entropy(teacher, y), atol=1e-5)
+
+
+def test_fjord_distillation_at_another_temperature_and_weight_is_the_papers_formula():
+    student, teacher = torch.randn(5, 4, generator=torch.Generator().manual_seed(3)), torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
+    y, alpha, t = torch.tensor([0, 1, 2, 3, 0]), 0.3, 2.5
+    p, log_q = (teacher / t).softmax(1), (student / t).log_softmax(1)
+    by_hand = (1 - alpha) * F.cross_entropy(student, y) + alpha * t * t * (p * (p.log() - log_q)).sum(1).mean()
+    assert torch.allclose(distillation_loss(student, teacher, y, alpha, t), by_hand, atol=1e-6)
+
+
+@pytest.mark.parametrize("kd", [False, True])
+def test_fjord_counts_a_uniformly_drawn_width_and_with_distillation_the_widest_on_every_batch(kd):
+    method = config("fjord", method_args={"kd": kd}).build_strategy()
+    macs = [module_macs(method.compiled[w].build(), method.compiled.input_size) for w in ("g0.2", "g0.4", "g0.6")]
+    expected = macs[2] + (macs[0] + macs[1]) / 3 if kd else sum(macs) / 3
+    assert method.client_macs("g0.6") == pytest.approx(expected, rel=1e-12) and macs[0] < macs[1] < macs[2]
 
 
 # -- DepthFL ---------------------------------------------------------------------------------
