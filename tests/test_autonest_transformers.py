@@ -275,24 +275,38 @@ def test_einsum_attention_and_a_relative_position_product_nest_by_whole_heads_ex
 
 
 class CrossAttention(nn.Module):
-    """``nn.MultiheadAttention`` between two sequences (queries from one, keys and values from
-    another): not self-attention, so it is kept whole; the layers around it still nest."""
+    """``nn.MultiheadAttention`` called as other than plain self-attention (queries from one
+    sequence, keys and values from another; a mask, by keyword or position): kept whole; the
+    layers around it still nest."""
 
-    def __init__(self):
+    def __init__(self, call: str = "cross"):
         super().__init__()
         self.a, self.b = nn.Linear(1, 8), nn.Linear(1, 8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.register_buffer("none_masked", torch.zeros(4, 4, dtype=torch.bool))  # (tokens, tokens) of a 2 x 2 input
+        self.call = call
 
     def forward(self, x):
         tokens = x.flatten(2).transpose(1, 2)
-        y = self.attn(self.a(tokens), self.b(tokens), self.b(tokens), need_weights=False)[0]
+        q, kv = self.a(tokens), self.b(tokens)
+        padding = lambda: tokens[..., 0] != tokens[..., 0]  # noqa: E731 - masks that mask nothing
+        args, kwargs = {
+            "cross": lambda: ((q, self.b(tokens), self.b(tokens)), {}),
+            "shared_kv": lambda: ((q, kv, kv), {}),
+            "query_as_value": lambda: ((q, kv, q), {}),
+            "attn_mask": lambda: ((q, q, q), {"attn_mask": self.none_masked}),
+            "key_padding_mask": lambda: ((q, q, q), {"key_padding_mask": padding()}),
+            "positional_key_padding_mask": lambda: ((q, q, q, padding()), {}),
+        }[self.call]()
+        y = self.attn(*args, need_weights=False, **kwargs)[0]
         return self.fc2(torch.relu(self.fc1(y))).mean(1)
 
 
-def test_cross_attention_is_kept_whole_and_the_rest_nests_exactly():
+@pytest.mark.parametrize("call", ["cross", "shared_kv", "query_as_value", "attn_mask", "key_padding_mask", "positional_key_padding_mask"])
+def test_cross_attention_is_kept_whole_and_the_rest_nests_exactly(call):
     torch.manual_seed(0)
-    compiled = tiers(nest(CrossAttention().eval(), (1, 1, 2, 2), name="cross_attention"), 0.5)
+    compiled = tiers(nest(CrossAttention(call).eval(), (1, 1, 2, 2), name=f"cross_attention_{call}"), 0.5)
     narrow = compiled["narrow"].build()
     assert isinstance(narrow.attn, nn.MultiheadAttention) and narrow.attn.in_proj_weight.shape == (24, 8)
     assert narrow.fc1.weight.shape == (12, 8)  # ceil(16 sqrt(0.5))

@@ -86,12 +86,16 @@ def einsum(ch, equation: str, operands: list[torch.Tensor], where: str) -> torch
     return chosen.expand(shape)
 
 
+_MULTIHEAD_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")  # forward's order
+
+
 def self_attention(m, args, kwargs) -> bool:
     """Whether an ``nn.MultiheadAttention`` call is plain self-attention with packed q, k, v
-    projections (what :func:`multihead` nests by heads)."""
-    inputs = [*args[:3], *[kwargs[k] for k in ("query", "key", "value") if k in kwargs]]
-    return (len(inputs) == 3 and inputs[0] is inputs[1] is inputs[2] and m._qkv_same_embed_dim and m.bias_k is None
-            and not m.add_zero_attn and kwargs.get("attn_mask") is None and kwargs.get("key_padding_mask") is None)
+    projections and no mask, by keyword or position (what :func:`multihead` nests by heads)."""
+    call = dict(zip(_MULTIHEAD_ARGS, args)) | kwargs
+    query, key, value = (call.get(name) for name in _MULTIHEAD_ARGS[:3])
+    return (query is not None and query is key is value and m._qkv_same_embed_dim and m.bias_k is None
+            and not m.add_zero_attn and call.get("attn_mask") is None and call.get("key_padding_mask") is None)
 
 
 def multihead(ch, owner: str, m, x: torch.Tensor, where: str):
