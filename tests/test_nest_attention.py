@@ -33,7 +33,8 @@ def test_queries_times_keys_give_the_rows_class_and_unite_every_channel_they_mee
     assert out.shape == (3, 4) and bool((out == 3).all())
     assert len(roots_of(ch, torch.arange(4)).unique()) == 1
     ch = Channels()
-    zero, k = ch.new("zero", 1), ch.new("k", 2)  # rows of one channel, id 0
+    ch.new("zero", 1)  # rows of one channel, id 0
+    k = ch.new("k", 2)
     out = contract(ch, torch.zeros(3, 2, dtype=torch.long), spread(k, (2, 4), 0), "c")
     assert bool((out == 0).all())
     with pytest.raises(NestError, match=r"^c: a product of vectors$"):
