@@ -44,6 +44,8 @@ def test_fold_gives_back_each_channel_and_refuses_to_sum_different_channels():
     mixed[0, 1] = 1  # a kernel position of channel 0 now holds channel 1
     with pytest.raises(NestError, match=r"^f: a fold that sums different channels$"):
         folded(mixed, fold, "f")
+    gaps = folded(unfolded(image_ids(size=4), nn.Unfold(1, stride=2)), nn.Fold(4, 1, stride=2), "f")
+    assert gaps[0, 1].tolist() == [[1, -1, 1, -1], [-1, -1, -1, -1], [1, -1, 1, -1], [-1, -1, -1, -1]]  # no patch: no channel
 
 
 def test_a_function_kept_whole_is_accepted_where_it_only_moves_ids_also_through_floats():
@@ -96,21 +98,21 @@ class Picked(nn.Module):
 class Selections(nn.Module):
     """Tokens beside a class token, then channel selections a tier re-cuts: a ``chunk``, a
     ``split_with_sizes``, slices after an Ellipsis (one stopping before the end, one after a
-    leading ``:``) and an integer index into stacked branches."""
+    leading ``:``), a ``narrow`` and an integer index into stacked branches."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Conv2d(1, 12, 2, 2)
         self.cls = nn.Parameter(torch.randn(1, 1, 12))
         self.gate = nn.Linear(6, 6)
-        self.mix, self.tail = nn.Linear(5, 5), nn.Linear(4, 5)
+        self.mix, self.tail, self.side = nn.Linear(5, 5), nn.Linear(4, 5), nn.Linear(3, 5)
         self.head = nn.Linear(5, 2)
 
     def forward(self, x):
         t = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.embed(x).flatten(2).transpose(1, 2)], 1)
         left, right = t.chunk(2, -1)
         u, v = (self.gate(left) * torch.sigmoid(right)).split_with_sizes([2, 4], -1)
-        h = self.mix(t[..., 1:6]) + self.tail(t[:, ..., 7:11])
+        h = self.mix(t[..., 1:6]) + self.tail(t[:, ..., 7:11]) + self.side(t.narrow(-1, 4, 3))
         pair = torch.stack([h, torch.cat([u, v[..., :3]], -1)])
         return self.head(pair[0] + pair[1]).mean(1)
 
@@ -123,6 +125,7 @@ def test_channel_selections_of_tokens_beside_a_class_token_are_recut_in_a_tier()
     # each half of the chunk keeps 4 of 6 (full 0-3 and 6-9): [1:6] holds kept 1-3, [7:11] kept 7-9
     assert t["embed.weight"].index[0].tolist() == t["cls"].index[2].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
     assert t["mix.weight"].index == t["tail.weight"].index == (slice(0, 4), slice(0, 3))
+    assert t["side.weight"].index[1].tolist() == [2]  # narrow(-1, 4, 3): full 4-6, of which 6 is kept (its position 2)
     x = torch.randn(2, 1, 4, 4)
     with torch.no_grad():
         assert float(compiled.create_global_model()(x).abs().max()) > 0.1
