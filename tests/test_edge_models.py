@@ -5,13 +5,16 @@ short NeFL run on digits."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from torch import nn
 
 from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.models import ModelArgsError, create_model, load_pretrained
+from nefl_zoo.models.shufflenet import ShuffleNetV2
 from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import SliceEntry, compile_spec
 from nefl_zoo.spec import SpecError, parse_spec
@@ -92,6 +95,10 @@ def test_a_block_without_identity_shortcut_cannot_be_skipped():
     assert message.startswith("x.yaml: tiers[0].steps[1][0]: mobilenet_v2 stage 2 block 0 has no identity shortcut")
     with pytest.raises(ModelArgsError, match=r"steps\[0\]\[1\]: shufflenet_v2 .* nests by width only"):
         create_model("shufflenet_v2_x0_5", steps=[[1, 0, 1, 1], [1] * 8, [1] * 4])
+    with pytest.raises(ModelArgsError) as built:  # the module itself refuses, not only its registered args
+        ShuffleNetV2((48, 96, 192), steps=[[1, 1, 1, 1], [1] * 8, [1, 1, 0, 1]])
+    assert str(built.value) == ("steps[2][2]: shufflenet_v2 stage 3 block 2 has no identity shortcut (a channel split and "
+                                "shuffle; ShuffleNetV2 nests by width only), so it cannot be skipped: give it a nonzero step")
     steps[1] = [1, 0]  # an identity block: removed
     with torch.device("meta"):
         model = create_model("mobilenet_v2", steps=steps)
@@ -247,3 +254,23 @@ def test_fedlps_on_an_inverted_residual_family_is_a_one_line_error(name):
     with pytest.raises(ValueError, match=r"^fedlps: InvertedResidualNet.forward_norm is not a chain of its modules") as err:
         config.build_strategy()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", EDGE)
+def test_first_conv_and_feature_info_describe_the_module(name):
+    """timm's metadata: ``default_cfg["first_conv"]`` names the first convolution, and each
+    ``feature_info`` entry names a module whose output has its channels and reduction."""
+    model = create_model(name, num_classes=10, img_size=64).eval()
+    first = model.get_submodule(model.default_cfg["first_conv"])
+    assert first is next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    shapes = {}
+
+    def record(key, module, args, out):
+        shapes.setdefault(key, out.shape)
+
+    for info in model.feature_info:
+        model.get_submodule(info["module"]).register_forward_hook(functools.partial(record, info["module"]))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 64))
+    assert [(shapes[i["module"]][1], 64 // shapes[i["module"]][-1]) for i in model.feature_info] == \
+        [(i["num_chs"], i["reduction"]) for i in model.feature_info]
