@@ -226,10 +226,17 @@ def test_bad_replies_are_rejected_and_the_round_goes_on():
     no_count = _reply(strategy, state, masks, "g0.5", samples)
     del no_count.metrics[f"num_samples.{B}"]
     no_images = _reply(strategy, state, masks, "g0.5", {A: 0, B: 0})
+    repeated = _reply(strategy, state, masks, "g0.5", samples)
+    repeated.arrays[key] = torch.cat([masks[key][:1], masks[key][:-1]])  # its first index twice
+    two_d = _reply(strategy, state, masks, "g0.5", samples)
+    two_d.arrays[key] = masks[key].view(1, -1)
     replies = {0: good, 1: out_of_range, 2: no_mask, 3: nan, 4: full_tensor, 5: no_count, 6: no_images,
-               7: _reply(strategy, state, masks, "g9", samples), 8: Reply({}, {}, error="crashed")}
+               7: _reply(strategy, state, masks, "g9", samples), 8: Reply({}, {}, error="crashed"), 9: repeated, 10: two_d}
     result = strategy.aggregate_train(1, state, replies)
-    assert result.accepted == 1 and [cid for cid, _ in result.rejected] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert result.accepted == 1 and [cid for cid, _ in result.rejected] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    width = strategy.pruning.spaces["layer2.0.stream"].width
+    for cid in (1, 9, 10):
+        assert dict(result.rejected)[cid].endswith(f"{key}: expected ascending distinct channel indices below {width}"), cid
     assert "shape" in dict(result.rejected)[4] and "NaN" in dict(result.rejected)[3]
 
 
