@@ -320,3 +320,23 @@ def test_fedlps_learns_every_task_from_a_backbone_pretrained_on_data_no_client_h
     assert sizes == {0: 64 - round(0.8 * 64), 1: 64 - round(0.4 * 64), 2: 64}  # levels g0.25, g0.5, g1
     fresh = load_backbone(config.submodel_spec(), config.seed, str(weights)).state_dict()  # the encoder stayed frozen
     assert all(torch.equal(v, fresh[k]) for k, v in engine.strategy.backbone.state_dict().items())
+
+
+def test_a_task_with_one_image_in_a_training_batch_is_left_out_and_recompute_uses_each_tasks_own_images():
+    from nefl_zoo.fl.methods.fedlps.networks import with_task_bn
+
+    method = fedlps().build_strategy()
+    torch.manual_seed(0)
+    state = method.init_global_state()
+    method.prepare_backbone()
+    model = method.model({task: method.load_predictor(task, state) for task in method.tasks})
+    x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 7, 8, 2])  # A: 3 images, B: 2
+    assert list(model.train().routed(x[:3], y[:3])) == [A]  # B's single image: no BatchNorm batch
+    assert list(model.train().routed(x[:4], y[:4])) == [A, B]  # two images each: both train
+    assert list(model.eval().routed(x[:3], y[:3])) == [A, B]
+    norms = {t: next(m for m in p.modules() if isinstance(m, nn.BatchNorm2d)) for t, p in model.predictors.items()}
+    before = {t: m.running_mean.clone() for t, m in norms.items()}
+    assert with_task_bn(model, "running", [(x, y)]) is model and not model.training
+    assert all(torch.equal(norms[t].running_mean, before[t]) for t in norms)
+    with_task_bn(model, "recompute", [(x, y)])
+    assert all(not torch.equal(norms[t].running_mean, before[t]) for t in norms) and not model.training
