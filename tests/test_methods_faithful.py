@@ -20,11 +20,11 @@ from nefl_zoo.fl.compare import Entry, entry_config, flatness, parse_entry, resu
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
 from nefl_zoo.fl.methods.depthfl import nefl_depth_spec
-from nefl_zoo.fl.methods.fjord import distillation_loss
+from nefl_zoo.fl.methods.fjord import distillation_loss, nested_entry
 from nefl_zoo.fl.strategy import Instruction, Reply
 from nefl_zoo.fl.strategy_utils import bn_treatments, module_macs, with_bn
 from nefl_zoo.profile import count_params
-from nefl_zoo.slim import SliceMap
+from nefl_zoo.slim import SliceEntry, SliceMap
 from nefl_zoo.spec import parse_spec
 
 from .conftest import records
@@ -78,6 +78,23 @@ def test_fjord_self_distillation_is_on_by_default_and_matches_the_papers_loss(mo
     assert config("fjord").build_strategy().settings.distil is True
     monkeypatch.setattr(local, "sample_width", lambda: 3)  # the widest width drawn: it is its own teacher, run once
     assert torch.allclose(local.loss(x, y)[0], F.cross_entropy(teacher, y), atol=1e-5)
+    monkeypatch.setattr(local, "sample_width", lambda: 2)  # the width below the widest is a student too
+    student = method.compiled["g0.6"].load(state).train()(x)
+    kl = (p * (p.log() - student.log_softmax(1))).sum(1).mean()
+    assert torch.allclose(local.loss(x, y)[0], F.cross_entropy(teacher, y) + kl, atol=1e-5)
+
+
+def test_fjord_places_a_narrower_widths_region_inside_the_wider_ones():
+    outer = SliceEntry("w", (torch.tensor([0, 2, 4, 6]), slice(0, 3)), (4, 3), "weight", True)
+    inner = nested_entry(SliceEntry("w", (torch.tensor([0, 4]), slice(0, 2)), (2, 2), "norm", False), outer, "w@g0.2")
+    assert (inner.global_key, inner.index[0].tolist(), inner.index[1], inner.shape, inner.kind, inner.consistent) == \
+        ("w@g0.2", [0, 2], slice(0, 2), (2, 2), "norm", False)
+    prefix = nested_entry(SliceEntry("w", (torch.tensor([0, 2]), slice(0, 1)), (2, 1), "weight", True), outer, "w")
+    assert prefix.index == (slice(0, 2), slice(0, 1))  # the outer region's first two positions
+    whole = nested_entry(SliceEntry("s", (), (), "steps", False), outer, "s@g0.2")
+    assert (whole.index, whole.shape, whole.kind, whole.consistent) == ((), (), "steps", False)
+    with pytest.raises(ValueError, match=r"^w: the narrower region is not inside the wider one$"):
+        nested_entry(SliceEntry("w", (torch.tensor([1]), slice(0, 1)), (1, 1), "weight", True), outer, "w")
 
 
 def test_fjord_distillation_at_another_temperature_and_weight_is_the_papers_formula():
