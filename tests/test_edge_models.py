@@ -92,7 +92,8 @@ def test_a_block_without_identity_shortcut_cannot_be_skipped():
         parse_spec({"model": "mobilenet_v2", "tiers": [{"name": "a", "steps": steps}]}, "x.yaml")
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("x.yaml: tiers[0].steps[1][0]: mobilenet_v2 stage 2 block 0 has no identity shortcut")
+    assert message == ("x.yaml: tiers[0].steps[1][0]: mobilenet_v2 stage 2 block 0 has no identity shortcut (it changes "
+                       "the stride or the channels), so it cannot be skipped: give it a nonzero step")
     with pytest.raises(ModelArgsError, match=r"steps\[0\]\[1\]: shufflenet_v2 .* nests by width only"):
         create_model("shufflenet_v2_x0_5", steps=[[1, 0, 1, 1], [1] * 8, [1] * 4])
     with pytest.raises(ModelArgsError) as built:  # the module itself refuses, not only its registered args
@@ -274,3 +275,16 @@ def test_first_conv_and_feature_info_describe_the_module(name):
         model(torch.randn(1, 3, 64, 64))
     assert [(shapes[i["module"]][1], 64 // shapes[i["module"]][-1]) for i in model.feature_info] == \
         [(i["num_chs"], i["reduction"]) for i in model.feature_info]
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_small"])
+def test_pre_logits_keep_the_classifiers_dropout_in_training(name):
+    """FedGH trains on ``forward_head(pre_logits=True)``: every classifier layer but the last,
+    dropout included (random in training, the identity in eval)."""
+    model = create_model(name, num_classes=10, img_size=32).eval()
+    with torch.no_grad():
+        features = model.forward_features(torch.randn(2, 3, 32, 32))
+    model.train()
+    assert not torch.equal(model.forward_head(features, pre_logits=True), model.forward_head(features, pre_logits=True))
+    model.eval()
+    assert torch.equal(model.forward_head(features, pre_logits=True), model.forward_head(features, pre_logits=True))
