@@ -52,7 +52,10 @@ def fixed_blocks(stages: Sequence[Sequence[BlockCfg]]) -> set[tuple[int, int]]:
     return {(s, j) for s, stage in enumerate(stages) for j, cfg in enumerate(stage) if not cfg.identity}
 
 
-def check_fixed_blocks(steps: Steps | None, fixed: set[tuple[int, int]], model: str, why: str = "it changes the stride or the channels") -> None:
+NO_SHORTCUT = "it changes the stride or the channels"  # why an inverted-residual block cannot be skipped
+
+
+def check_fixed_blocks(steps: Steps | None, fixed: set[tuple[int, int]], model: str, why: str = NO_SHORTCUT) -> None:
     """:class:`ModelArgsError` naming the first block of ``fixed`` that ``steps`` removes."""
     for s, j in sorted(fixed):
         if steps is not None and s < len(steps) and j < len(steps[s]) and steps[s][j] == 0:
@@ -278,7 +281,7 @@ class EdgeArgs(ModelArgs):
 
     FIXED: ClassVar[frozenset[tuple[int, int]]] = frozenset()  # the family's blocks that cannot be skipped
     MODEL: ClassVar[str] = ""
-    WHY: ClassVar[str] = "it changes the stride or the channels"
+    WHY: ClassVar[str] = NO_SHORTCUT
 
     num_classes: StrictInt = Field(1000, ge=1, le=1_000_000)
     img_size: ImageSize = 224
