@@ -54,6 +54,8 @@ def test_resnet18_blocks_widths_and_reported_projection_blocks(resnet):
     assert full.stage_depths == (2, 1, 1, 1) and compiled.stage_names == ("layer1", "layer2", "layer3", "layer4")
     assert sorted(full.step_keys()) == ["layer1.0.step", "layer1.1.step", "layer2.1.step", "layer3.1.step", "layer4.1.step"]
     assert [u.split(":")[0] for u in full.plan.unskippable] == ["layer2.0", "layer3.0", "layer4.0"]
+    # each stage's module and its reduction of the 32-pixel input (stem and max pool: 4)
+    assert [(i["module"], i["reduction"]) for i in full.feature_info] == [("layer1", 4), ("layer2", 8), ("layer3", 16), ("layer4", 32)]
     narrow = compiled["narrow"].build()
     # ceil(C * sqrt(0.3)) of 64/128/256/512, the paper's rule, and blocks layer1.1 removed
     assert [i["num_chs"] for i in narrow.feature_info] == [36, 71, 141, 281]
@@ -187,6 +189,40 @@ def test_auto_tier_halves_regnet_y_400mf_with_whole_groups_and_squeeze_excitatio
     for m in tier.modules():  # group width 8: the 3x3 convolutions keep whole groups of 8
         if isinstance(m, nn.Conv2d) and m.groups > 1:
             assert m.in_channels == 8 * m.groups
+
+
+class Adds(nn.Module):
+    """Residual adds of every kind: blocks through a dropout or ``contiguous`` shortcut, and adds
+    that are no block (a projection shortcut, a branch without parameters, a branch that feeds
+    a later layer, a squeeze-and-excitation gate of another shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.a, self.drop, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Dropout(0.1), nn.Conv2d(8, 8, 3, padding=1)
+        self.proj, self.d = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
+        self.e, self.gate = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = self.drop(x) + self.a(x)
+        x = x.contiguous() + self.b(x)
+        x = self.d(x) + self.proj(x)
+        x = x + torch.relu(x)
+        h = self.e(x)
+        x = x + h
+        x = x + self.gate(x.mean((2, 3), keepdim=True))
+        return self.fc((x + h).mean((2, 3)))
+
+
+def test_each_residual_add_is_a_block_or_reported_with_why_not():
+    plan = create_model(nest(Adds(), (1, 1, 8, 8), name="adds")).plan
+    assert [b.add for b in plan.blocks] == ["add", "add_1", "add_6"]  # the last: h plus the gated path from it
+    assert plan.unskippable == ["add_2: its shortcut is not the block's input (a projection shortcut)",
+                                "add_3: its branch has no parameters", "add_4: its branch feeds other nodes",
+                                "add_5: its inputs have different shapes"]
+    assert plan.stage_modules == [""] and plan.stage_reductions == [1]  # one resolution: the model itself
 
 
 class SplitNet(nn.Module):

@@ -293,9 +293,9 @@ def _make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
         for g in set(group_of[roots[vec]].tolist()):
             quantum[g] = math.lcm(quantum[g], q)
     fixed_roots = {int(roots[i]) for i in ch.fixed}
-    for name, base, size in ch.spaces:  # parameters kept whole (shared, or reached by no channel) keep their ids
+    for name, base, count in ch.spaces:  # parameters kept whole (shared, or reached by no channel) keep their ids
         if ch.dims.get(name) == ["elements"] and name in dims and all(d is None for d in dims[name]):
-            fixed_roots |= set(roots[base:base + size].unique().tolist())
+            fixed_roots |= set(roots[base:base + count].unique().tolist())
     if ch.attention:  # a transformer's stream keeps its width: heads and MLP units nest, exactly
         fixed_roots |= {int(r) for _, ids in ch.channel_stats for r in roots[ids].unique()}
     group_fixed = [False] * len(group_classes)

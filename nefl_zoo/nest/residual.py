@@ -73,6 +73,11 @@ def _has_params(gm, nodes) -> bool:
     return False
 
 
+# why a residual add is no block, in the order _as_block checks: a later reason got further
+NOT_BLOCK = ("its shortcut is not the block's input (a projection shortcut)", "its branch has no parameters",
+             "its branch feeds other nodes", "its inputs have different shapes")
+
+
 def _as_block(gm, add, u, v) -> Block | str:
     """``add = u + v`` as a block with branch ``u`` and identity shortcut ``v``, or why not."""
     root = v
@@ -80,15 +85,15 @@ def _as_block(gm, add, u, v) -> Block | str:
         root = nxt
     anc = _ancestors(u) | {u}
     if root not in anc:
-        return "its shortcut is not the block's input (a projection shortcut)"
+        return NOT_BLOCK[0]
     branch = (anc & _descendants(root)) - {root}
     if not _has_params(gm, branch):
-        return "its branch has no parameters"
+        return NOT_BLOCK[1]
     if any(user not in branch and user is not add for b in branch for user in b.users):
-        return "its branch feeds other nodes"
+        return NOT_BLOCK[2]
     shapes = {x.meta.get("nest_shape") for x in (u, v, add)}
     if len(shapes) != 1:
-        return "its inputs have different shapes"
+        return NOT_BLOCK[3]
     return Block(add.name, u.name, v.name, frozenset(b.name for b in branch), _owner(add), "step")
 
 
@@ -106,7 +111,7 @@ def find_blocks(gm, img_size: int) -> tuple[list[Block], list[str], list[str], l
         block = next((b for b in found if isinstance(b, Block)), None)
         if block is None:
             if n.meta.get("nest_shape") and len(n.meta["nest_shape"]) >= 3:
-                unskippable.append(f"{_owner(n) or n.name}: {found[0]}")
+                unskippable.append(f"{_owner(n) or n.name}: {max(found, key=NOT_BLOCK.index)}")  # the order that got further
             continue
         blocks.append(block)
     names = {}
