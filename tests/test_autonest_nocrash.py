@@ -104,3 +104,46 @@ def test_a_tier_that_would_fail_at_its_first_forward_is_refused_when_built_namin
     with pytest.raises(NestError, match=r"^module:fixed_expand_net: add \(add\): RuntimeError: ") as refused:
         create_model(name, gamma_w=0.5)
     assert "\n" not in str(refused.value)
+
+
+def test_library_names_split_at_the_first_colon_and_only_for_known_libraries():
+    from nefl_zoo.nest.sources import split_name
+
+    assert split_name("torchvision:resnet18") == ("torchvision", "resnet18")
+    assert split_name("timm:hf-hub:org/model") == ("timm", "hf-hub:org/model")
+    assert [split_name(n) for n in ("resnet20", "keras:resnet50", "timm:")] == [None, None, None]
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 1), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a value: torch.fx cannot follow it
+            x = -x
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+class OptionalArguments(nn.Module):
+    """``forward(x, mask=None, flip=False)``: traced as the plain call ``model(x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 1), nn.Linear(4, 2)
+
+    def forward(self, x, mask=None, flip=False):
+        y = self.conv(x if mask is None else x * mask)
+        return self.fc((y.flip(-1) if flip else y).mean((2, 3)))
+
+
+def test_a_forward_torch_fx_cannot_follow_is_one_line_and_optional_arguments_take_their_defaults():
+    with pytest.raises(NestError, match=r"^module:data_dependent: torch\.fx cannot trace it: TraceError: symbolically "
+                                        r"traced variables cannot be used as inputs to control flow$"):
+        create_model(nest(DataDependent(), (1, 1, 2, 2), name="data_dependent"))
+    torch.manual_seed(0)
+    module = OptionalArguments().eval()
+    x = torch.randn(2, 1, 2, 2)
+    made = create_model(nest(module, (1, 1, 2, 2), name="optional_arguments")).eval()
+    with torch.no_grad():
+        assert torch.equal(made(x), module(x))
