@@ -299,3 +299,16 @@ def test_randomise_zeros_fills_only_all_zero_tensors_with_small_values():
     assert torch.equal(head.bias, kept) and float(module.scale) == 0.0
     assert bool(head.weight.ne(0).all()) and bool(module.pair.ne(0).all())
     assert 0.01 < float(head.weight.std()) < 0.03 and abs(float(head.weight.mean())) < 0.005
+
+
+def test_a_library_model_at_its_defaults_is_the_library_model_with_timms_metadata():
+    import torchvision
+
+    with torch.device("meta"):
+        made = create_model("torchvision:mobilenet_v2", num_classes=10)  # gamma_w 1 by default: the full model
+        reference = torchvision.models.mobilenet_v2(num_classes=10)
+    assert count_params(made) == count_params(reference) + len(made.step_keys())  # plus a step per skippable block
+    assert made.default_cfg["first_conv"] == "features.0.0" and made.default_cfg["classifier"] == "classifier.1"
+    assert made.num_features == 1280
+    with pytest.raises(SpecError, match=r"model_args"):
+        parse_spec({"model": "torchvision:mobilenet_v2", "model_args": {"depth": 3}, "tiers": [{"name": "full"}]})
