@@ -192,7 +192,7 @@ def test_auto_tier_halves_regnet_y_400mf_with_whole_groups_and_squeeze_excitatio
 
 
 class Adds(nn.Module):
-    """Residual adds of every kind: blocks through a dropout or ``contiguous`` shortcut, and adds
+    """Residual adds of every kind: blocks through a dropout, ``contiguous`` or ``clone`` shortcut, and adds
     that are no block (a projection shortcut, a branch without parameters, a branch that feeds
     a later layer, a squeeze-and-excitation gate of another shape)."""
 
@@ -202,12 +202,14 @@ class Adds(nn.Module):
         self.a, self.drop, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Dropout(0.1), nn.Conv2d(8, 8, 3, padding=1)
         self.proj, self.d = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
         self.e, self.gate = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.c = nn.Conv2d(8, 8, 3, padding=1)
         self.fc = nn.Linear(8, 3)
 
     def forward(self, x):
         x = self.stem(x)
         x = self.drop(x) + self.a(x)
         x = x.contiguous() + self.b(x)
+        x = x.clone() + self.c(x)
         x = self.d(x) + self.proj(x)
         x = x + torch.relu(x)
         h = self.e(x)
@@ -218,11 +220,11 @@ class Adds(nn.Module):
 
 def test_each_residual_add_is_a_block_or_reported_with_why_not():
     plan = create_model(nest(Adds(), (1, 1, 8, 8), name="adds")).plan
-    assert [b.add for b in plan.blocks] == ["add", "add_1", "add_6"]  # the last: h plus the gated path from it
-    assert plan.unskippable == ["add_2: its shortcut is not the block's input (a projection shortcut)",
-                                "add_3: its branch has no parameters", "add_4: its branch feeds other nodes",
-                                "add_5: its inputs have different shapes"]
-    assert plan.stage_modules == [""] and plan.stage_reductions == [1]  # one resolution: the model itself
+    assert [b.add for b in plan.blocks] == ["add", "add_1", "add_2", "add_7"]  # the last: h plus the gated path from it
+    assert plan.unskippable == ["add_3: its shortcut is not the block's input (a projection shortcut)",
+                                "add_4: its branch has no parameters", "add_5: its branch feeds other nodes",
+                                "add_6: its inputs have different shapes"]
+    assert plan.stage_modules == [""] and plan.stage_reductions == [1] and type(plan.stage_reductions[0]) is int
 
 
 class SplitNet(nn.Module):
