@@ -291,7 +291,8 @@ def test_batched_clients_equal_sequential_ones_in_float64_on_every_shipped_confi
 
 # -- batched clients, unit by unit ----------------------------------------------------------------
 def _float64_clients(tmp_path, *overrides):
-    """An engine in float64 (restore the default dtype after use) and three train instructions of one tier."""
+    """An engine whose images are float64 (with the ``float64`` fixture's default dtype) and the
+    round-1 train instructions of its largest tier."""
     engine = _engine(tmp_path, *overrides)
     engine.data.train.images = engine.data.train.images.double()
     torch.manual_seed(engine.config.seed)

@@ -304,7 +304,7 @@ class CrossAttention(nn.Module):
 
 
 @pytest.mark.parametrize("call", ["cross", "shared_kv", "query_as_value", "attn_mask", "key_padding_mask", "positional_key_padding_mask"])
-def test_cross_attention_is_kept_whole_and_the_rest_nests_exactly(call):
+def test_attention_other_than_plain_unmasked_self_attention_is_kept_whole_and_the_rest_nests_exactly(call):
     torch.manual_seed(0)
     compiled = tiers(nest(CrossAttention(call).eval(), (1, 1, 2, 2), name=f"cross_attention_{call}"), 0.5)
     narrow = compiled["narrow"].build()

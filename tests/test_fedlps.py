@@ -6,11 +6,14 @@ resume: tests/test_method_contract.py). The default backbone (pre-trained when t
 its resume and the masks chosen after the first local training: tests/test_fedlps_pretrain.py.
 Tasks from folders: tests/test_fedlps_data.py."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from nefl_zoo.fl.bn import recompute_bn
 from nefl_zoo.fl.config import ConfigError
 from nefl_zoo.fl.data import load_data
 from nefl_zoo.fl.engine import Engine
@@ -334,9 +337,17 @@ def test_a_task_with_one_image_in_a_training_batch_is_left_out_and_recompute_use
     assert list(model.train().routed(x[:3], y[:3])) == [A]  # B's single image: no BatchNorm batch
     assert list(model.train().routed(x[:4], y[:4])) == [A, B]  # two images each: both train
     assert list(model.eval().routed(x[:3], y[:3])) == [A, B]
-    norms = {t: next(m for m in p.modules() if isinstance(m, nn.BatchNorm2d)) for t, p in model.predictors.items()}
-    before = {t: m.running_mean.clone() for t, m in norms.items()}
+    def first_norm(predictor):
+        return next(m for m in predictor.modules() if isinstance(m, nn.BatchNorm2d))
+
+    before = {t: copy.deepcopy(p) for t, p in model.predictors.items()}
     assert with_task_bn(model, "running", [(x, y)]) is model and not model.training
-    assert all(torch.equal(norms[t].running_mean, before[t]) for t in norms)
+    assert all(torch.equal(first_norm(p).running_mean, first_norm(before[t]).running_mean) for t, p in model.predictors.items())
     with_task_bn(model, "recompute", [(x, y)])
-    assert all(not torch.equal(norms[t].running_mean, before[t]) for t in norms) and not model.training
+    assert not model.training
+    for task, (rows, local) in model.tasks.route(y).items():  # each predictor's statistics: its own task's images only
+        own, every = copy.deepcopy(before[task]), copy.deepcopy(before[task])
+        recompute_bn(nn.Sequential(model.encoder, own), [(x[rows], local)])
+        recompute_bn(nn.Sequential(model.encoder, every), [(x, y)])
+        got = first_norm(model.predictors[task]).running_mean
+        assert torch.equal(got, first_norm(own).running_mean) and not torch.allclose(got, first_norm(every).running_mean), task

@@ -1,7 +1,7 @@
 """Mutation testing of the core, one module at a time (``make mutation``; see TESTING.md).
 
 Each module in ``[tool.nefl-zoo.mutation]`` of ``pyproject.toml`` is mutated alone and its
-mutants are run against that module's test files only, with one worker: a list of files, or a
+mutants are run against that module's test files only, one at a time (``--children N``: N at once): a list of files, or a
 table ``{tests = [...], timeout_constant = S}`` for files whose module-scoped fixtures take
 long (mutmut's timeout counts only the test calls, so S seconds are added to each mutant's
 estimate). Each mutant runs its tests file by file in the listed order (fastest first within a
@@ -13,6 +13,7 @@ surviving mutants of each module are printed right after its run::
     python tools/mutation.py nefl_zoo.fl.aggregate    # one module
     python tools/mutation.py nefl_zoo.runtime.tiers MUTANT...   # only these mutants of it, again
     python tools/mutation.py --sample 120 nefl_zoo.fl.batched   # 120 of its mutants, drawn with seed 0
+    python tools/mutation.py --children 2 nefl_zoo.nest.ids     # two mutants at once (one per core)
 
 ``--sample N [--seed S]`` scores a module whose full run would not fit in a session: N of its
 mutants drawn at random (``random.Random(S)``, from the sorted names), the same N for the same
