@@ -171,10 +171,9 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 x, weight, bias = (list(args) + [None] * 3)[:3]
                 x, weight, bias = kwargs.get("input", x), kwargs.get("weight", weight), kwargs.get("bias", bias)
                 key = weight_key(n, where)
-                bias_node = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-                own_bias = getattr(bias_node, "op", None) == "get_attr" and bias_node.target == f"{key.rpartition('.')[0]}.bias"
-                out = linear(where, key.rpartition(".")[0], x, params[key].shape[0], own_bias, key)
-                return unite(ch, out, bias) if isinstance(bias, torch.Tensor) and not own_bias else out
+                own = own_bias(n, key)
+                out = linear(where, key.rpartition(".")[0], x, params[key].shape[0], own, key)
+                return unite(ch, out, bias) if isinstance(bias, torch.Tensor) and not own else out
             if name in ("getitem", "index_select") and tensors:
                 index = args[1] if name == "getitem" else (slice(None),) * args[1] + (args[2],)
                 index = index if isinstance(index, tuple) else (index,)
@@ -225,8 +224,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             if name in ("conv1d", "conv2d", "conv3d"):
                 key = weight_key(n, where)
                 groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
-                out = native_meta(target, args, kwargs, n.op)
-                return conv(where, key.rpartition(".")[0], x, params[key].shape[0], groups, args[2] is not None if len(args) > 2 else kwargs.get("bias") is not None, out.shape, key)
+                bias, own = args[2] if len(args) > 2 else kwargs.get("bias"), own_bias(n, key)
+                out = conv(where, key.rpartition(".")[0], x, params[key].shape[0], groups, own,
+                           native_meta(target, args, kwargs, n.op).shape, key)
+                if isinstance(bias, torch.Tensor) and not own:  # another tensor as bias: one per output channel
+                    return unite(ch, out, bias.view(-1, *[1] * (out.ndim - 2)))
+                return out
             if name in ("layer_norm", "group_norm", "batch_norm", "instance_norm"):
                 if name == "layer_norm":
                     vec = layer_norm_vector(ch, x, x.ndim - 1, where)
@@ -278,6 +281,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             raise NestError(f"{where}: a weight computed in the forward (weight standardisation: statistics over "
                             "its input channels)")
         return weight.target
+
+    def own_bias(n, key: str) -> bool:
+        """Whether a functional layer's bias is its weight's sibling ``{owner}.bias`` (recorded
+        with the layer); any other bias tensor is united with the output channels instead."""
+        bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        return getattr(bias, "op", None) == "get_attr" and bias.target == f"{key.rpartition('.')[0]}.bias"
 
     def native_meta(target, args, kwargs, op):
         margs, mkw = _meta_args(args), _meta_args(kwargs)

@@ -18,6 +18,7 @@ from ..models.args import ImageSize, ModelArgs
 from ..models.base import Index, NestedNet, resolve_steps
 from ..models.registry import ModelInfo, UnknownModelError
 from .plan import NestPlan, cached_plan
+from .residual import is_parameter
 from .slim import build_graph, dry_run
 from .sources import NestError, Source, exists, library_source
 
@@ -90,16 +91,10 @@ class AutoNestedNet(NestedNet):
                 n = nodes[name]
                 if n.op == "call_module":
                     keys += [f"{n.target}.{k}" for k, _ in self.get_submodule(n.target).named_parameters()]
-                elif n.op == "get_attr" and isinstance(self._parameter_or_none(n.target), nn.Parameter):
+                elif n.op == "get_attr" and is_parameter(self, n.target):
                     keys.append(n.target)
             step_key = f"{b.owner}.{b.step}" if b.owner else b.step
             yield b.stage, b.index, BlockView(self, tuple(dict.fromkeys(keys)), (b.step,), step_key)
-
-    def _parameter_or_none(self, key: str):
-        try:
-            return self.get_parameter(key)
-        except AttributeError:
-            return None
 
     def step_keys(self) -> dict[str, tuple[int, int]]:
         return {view.step_key: (s, j) for s, j, view in self.residual_blocks()}

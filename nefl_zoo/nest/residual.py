@@ -64,9 +64,18 @@ def _owner(n) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
+def is_parameter(module: nn.Module, key: str) -> bool:
+    """Whether ``key`` names a parameter of ``module`` (not a buffer or a plain tensor)."""
+    try:
+        module.get_parameter(key)
+    except AttributeError:
+        return False
+    return True
+
+
 def _has_params(gm, nodes) -> bool:
     for n in nodes:
-        if n.op == "get_attr":
+        if n.op == "get_attr" and is_parameter(gm, n.target):
             return True
         if n.op == "call_module" and any(True for _ in gm.get_submodule(n.target).parameters()):
             return True
@@ -87,6 +96,7 @@ def _as_block(gm, add, u, v) -> Block | str:
     if root not in anc:
         return NOT_BLOCK[0]
     branch = (anc & _descendants(root)) - {root}
+    branch |= {a for b in branch for a in b.all_input_nodes if a.op == "get_attr"}  # what it reads directly (a layer scale)
     if not _has_params(gm, branch):
         return NOT_BLOCK[1]
     if any(user not in branch and user is not add for b in branch for user in b.users):

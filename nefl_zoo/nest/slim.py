@@ -4,6 +4,7 @@ the graph re-cut; a tier with data runs once on meta tensors first (:func:`dry_r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 
@@ -27,6 +28,7 @@ def _module_at(root: nn.Module, path: str) -> nn.Module:
 def cut_blocks(gm: torch.fx.GraphModule, plan: NestPlan, steps: list[list[float]]) -> None:
     """Insert ``y = x + s * F(x)`` for kept blocks, ``y = x`` for removed ones (in place)."""
     nodes = {n.name: n for n in gm.graph.nodes}
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for b in plan.blocks:
         value = steps[b.stage][b.index]
         add, branch, shortcut = nodes[b.add], nodes[b.branch_out], nodes[b.shortcut]
@@ -43,6 +45,13 @@ def cut_blocks(gm: torch.fx.GraphModule, plan: NestPlan, steps: list[list[float]
         add.args = tuple(scaled if a is branch else a for a in add.args)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
+    called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    for target in read - {n.target for n in gm.graph.nodes if n.op == "get_attr"}:  # read only by removed blocks
+        owner, _, leaf = target.rpartition(".")
+        if any(owner == c or owner.startswith(f"{c}.") for c in called):
+            continue  # a module the tier still calls keeps its tensors
+        with contextlib.suppress(AttributeError):  # its module may have gone with the block
+            delattr(gm.get_submodule(owner), leaf)
 
 
 @torch.no_grad()
