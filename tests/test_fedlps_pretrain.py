@@ -5,6 +5,8 @@ bit and the checkpoint's fingerprint refuses another; the opt-outs and their err
 client's masks chosen from its predictors after its first local training (the authors' code),
 kept in later rounds."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -168,3 +170,52 @@ def test_the_first_round_chooses_the_masks_from_the_locally_trained_predictors_a
     assert before.keys() == received.keys() and all(torch.equal(before[k], v) for k, v in received.items())
     assert pruned_first.arrays[f"{A}.layer3.1.conv2.weight"].shape == (13, 13, 3, 3)
     assert pruned_first.loss != reply.loss
+
+
+def equal_states(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+def test_pre_training_is_plain_sgd_over_seeded_shuffles_of_full_batches_and_is_logged(caplog, tmp_path):
+    import logging
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from nefl_zoo.fl.methods.fedlps.pretrain import pretrain, public_data
+    from nefl_zoo.models import create_model
+
+    config = fedlps({"pretrain_epochs": 1, "pretrain_lr": 0.05}, train__batch_size=64)
+    _, public, (model, model_args) = public_data(config)
+    assert len(public) > 64 and len(public) % 64  # a last, incomplete batch to drop
+    torch.manual_seed(5)
+    by_hand = create_model(model, **model_args)
+    optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.05, momentum=config.train.momentum,
+                                weight_decay=config.train.weight_decay)
+    by_hand.train()
+    for x, y in DataLoader(public, batch_size=64, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(5)):
+        optimizer.zero_grad()
+        F.cross_entropy(by_hand(x), y).backward()
+        optimizer.step()
+    net = pretrain(model, model_args, public, config.train, 5, 1, config.placement(), 0.05)
+    assert equal_states(net.state_dict(), by_hand.state_dict())
+
+    strategy = config.build_strategy()  # pretrain_lr and pretrain_epochs reach the run's pre-training
+    with caplog.at_level(logging.INFO, logger="nefl_zoo.fl.methods.fedlps.pretrain"):
+        strategy.init_global_state()
+    pretrain_backbone(config, 1, tmp_path / "backbone.safetensors", lr=0.05)  # what pretrain_lr: 0.05 loads
+    assert equal_states(strategy.backbone.state_dict(), load_file(str(tmp_path / "backbone.safetensors")))
+    message = caplog.records[-1].getMessage()
+    assert re.fullmatch(rf"fedlps: backbone pre-trained on the {len(public)} held-out images, 1 epochs, in \d\.\d s "
+                        r"\(test accuracy 0\.\d{4}\)", message), message
+
+
+def test_pre_training_for_a_run_without_its_data_section_says_how_to_build_it():
+    from types import SimpleNamespace
+
+    from nefl_zoo.fl.methods.fedlps.pretrain import pretrain_for_run
+
+    with pytest.raises(ValueError, match=r"^fedlps: method_args\.pretrained: public pre-trains on the run's held-out data, "
+                                         r"which this Run does not carry \(Run\.data\); build the strategy with "
+                                         r"RunConfig\.build_strategy$"):
+        pretrain_for_run(SimpleNamespace(), None, (1, 8, 8))
