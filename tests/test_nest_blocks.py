@@ -157,3 +157,28 @@ def test_library_models_register_their_arguments_and_summary():
     info = model_info("torchvision:resnet18")
     assert info.args is AutoArgs and info.module == "nefl_zoo.nest.net"
     assert info.summary == "torchvision:resnet18, nested automatically (channel-dependency graph)."
+
+
+class ListedScale(nn.Module):
+    """A per-channel scale kept in a list: torch.fx names it (``_tensor_constant0``), and a new
+    instance of the module does not have that name."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 8, 1), nn.Linear(8, 2)
+        self.scales = [torch.linspace(0.5, 1, 8).view(1, 8, 1, 1)]
+
+    def forward(self, x):
+        return self.fc((self.conv(x) * self.scales[0]).mean((2, 3)))
+
+
+def test_a_tensor_the_forward_reads_from_a_list_is_carried_into_every_tier_and_cut():
+    torch.manual_seed(0)
+    module = ListedScale().eval()
+    compiled = compile_spec(parse_spec({"model": nest(module, (1, 1, 2, 2), name="listed_scale"),
+                                        "tiers": [{"name": "t", "gamma_w": 0.5}, {"name": "f"}]}))
+    x = torch.randn(2, 1, 2, 2)
+    with torch.no_grad():
+        assert torch.equal(compiled.create_global_model().eval()(x), module(x))
+    assert zeroed_parity(compiled, "t", x) < 1e-6
+    assert torch.equal(compiled["t"].build()._tensor_constant0, module.scales[0][:, :6])

@@ -43,10 +43,12 @@ def test_the_first_convolution_is_remade_for_other_input_channels_keeping_its_se
         _replace_first_conv(nn.Sequential(nn.Linear(2, 2)), 1)
 
 
-def test_construction_on_the_meta_device_puts_every_tensor_there():
+def test_construction_on_the_meta_device_puts_every_tensor_there_in_one_go():
+    calls = []
     with torch.device("meta"):
-        made = construct(Source("module:linear", lambda: nn.Linear(2, 3)))
+        made = construct(Source("module:linear", lambda: calls.append(1) or nn.Linear(2, 3)))
     assert made.weight.is_meta and made.bias.is_meta
+    assert calls == [1]  # built once, parameters straight onto meta (not again on the CPU, as a fallback)
     assert not construct(Source("module:linear", lambda: nn.Linear(2, 3))).weight.is_meta
 
 

@@ -54,11 +54,8 @@ class AutoNestedNet(NestedNet):
             self.add_module(name, child)
         for name, p in gm.named_parameters(recurse=False):
             self.register_parameter(name, p)
-        for name, b in gm.named_buffers(recurse=False):
+        for name, b in gm.named_buffers(recurse=False):  # its own, and tensors fx named (a list's: _tensor_constant0)
             self.register_buffer(name, b)
-        for n in gm.graph.nodes:  # tensor constants fx keeps as plain attributes
-            if n.op == "get_attr" and "." not in n.target and not hasattr(self, n.target):
-                setattr(self, n.target, getattr(gm, n.target))
         self._graph_forward: Callable = type(gm).forward
         self.plan, self._steps = plan, steps
         self.stage_names = tuple(plan.stage_modules)

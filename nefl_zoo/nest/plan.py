@@ -53,6 +53,7 @@ class NestPlan:
     analysis_s: float
     index_cache: dict = field(default_factory=dict)
     tried: set = field(default_factory=set)  # tiers (kept ids, steps) whose first forward ran on meta
+    constants: dict = field(default_factory=dict)  # tensors the tracer named (read from a list or a global)
 
     @property
     def inexact_norms(self) -> list[str]:
@@ -305,7 +306,9 @@ def _make_plan(source: Source, in_chans: int, img_size: int) -> NestPlan:
     classifier = _classifier(gm, dims, fixed_roots, roots)
     return NestPlan(source, in_chans, gm.graph, ch, roots, group_of, _parts(ch, roots, group_classes), quantum, group_fixed, dims,
                     blocks, unskippable, stage_modules, reductions, classifier,
-                    {k: tuple(p.shape) for k, p in gm.named_parameters()}, time.perf_counter() - start)
+                    {k: tuple(p.shape) for k, p in gm.named_parameters()}, time.perf_counter() - start,
+                    constants={n.target: gm.get_buffer(n.target) for n in gm.graph.nodes
+                               if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
 
 
 def _parts(ch: Channels, roots: torch.Tensor, group_classes: list[torch.Tensor]) -> list[list[torch.Tensor]]:

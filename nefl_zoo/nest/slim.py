@@ -251,6 +251,11 @@ def build_graph(plan: NestPlan, keep: torch.Tensor, steps: list[list[float]], de
     kept channel ids, :meth:`NestPlan.keep`)."""
     with torch.device(device):
         model = construct(plan.source)
+        for name, value in plan.constants.items():  # a new instance lacks the tracer's names
+            if value.is_meta and device.type != "meta":
+                raise NestError(f"{plan.source.name}: {name}: a tensor its forward reads from outside its parameters and "
+                                "buffers (from a list or a global) has no values here; register it as a buffer")
+            model.register_buffer(name, value.to(device))
         gm = torch.fx.GraphModule(model, copy.deepcopy(plan.graph), type(model).__name__)
         cut_blocks(gm, plan, steps)
     where = cut_channels(gm, plan, keep)
