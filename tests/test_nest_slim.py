@@ -23,7 +23,8 @@ def narrow_and_full(name: str, gamma_w: float = 0.5):
 
 class Functional(nn.Module):
     """Grouped functional convolutions (groups given by position and by keyword, the bias a
-    parameter of another name), a GroupNorm and a BatchNorm without running statistics."""
+    parameter of another name), a GroupNorm module and a functional one (groups of 2 and of 4
+    channels) and a BatchNorm without running statistics."""
 
     def __init__(self):
         super().__init__()
@@ -31,16 +32,18 @@ class Functional(nn.Module):
         self.w, self.b = nn.Parameter(torch.randn(16, 4, 3, 3) / 6), nn.Parameter(torch.randn(16))
         self.w2 = nn.Parameter(torch.randn(16, 4, 1, 1) / 2)
         self.gn, self.bn = nn.GroupNorm(8, 16), nn.BatchNorm2d(16, track_running_stats=False)
+        self.gn_w, self.gn_b = nn.Parameter(torch.linspace(0.5, 2, 16)), nn.Parameter(torch.linspace(-1, 1, 16))
         self.head = nn.Linear(16, 3)
 
     def forward(self, x):
         x = F.conv2d(self.stem(x), self.w, self.b, 1, 1, 1, 4)
         x = self.bn(self.gn(F.conv2d(x, self.w2, None, groups=4)))
-        return self.head(x.mean((2, 3)))
+        return self.head(F.group_norm(x, 4, self.gn_w, self.gn_b).mean((2, 3)))
 
 
 class ChannelsLastNorm(nn.Module):
-    """A functional LayerNorm over channels last (ConvNeXt): a tier normalises over its kept channels."""
+    """Functional LayerNorms over channels last (ConvNeXt; ``F.layer_norm`` passes its weight by
+    keyword, ``torch.layer_norm`` by position): a tier normalises over its kept channels."""
 
     def __init__(self):
         super().__init__()
@@ -49,7 +52,7 @@ class ChannelsLastNorm(nn.Module):
 
     def forward(self, x):
         x = F.layer_norm(self.stem(x).permute(0, 2, 3, 1), (8,), self.ln_w, self.ln_b)
-        return self.head(x.mean((1, 2)))
+        return self.head(torch.layer_norm(x, (8,), self.ln_b, self.ln_w).mean((1, 2)))  # weight by position
 
 
 class Selections(nn.Module):
@@ -91,6 +94,7 @@ def test_a_functional_layer_norm_normalises_the_kept_channels_with_their_weights
     assert kept.tolist() == list(range(6)) if isinstance(kept, torch.Tensor) else kept == slice(0, 6)
     x = torch.randn(2, 1, 2, 2)
     h = F.layer_norm(module.stem(x)[:, :6].permute(0, 2, 3, 1), (6,), module.ln_w[:6], module.ln_b[:6])
+    h = F.layer_norm(h, (6,), module.ln_b[:6], module.ln_w[:6])
     assert torch.allclose(tier(x), F.linear(h.mean((1, 2)), module.head.weight[:, :6], module.head.bias), atol=1e-6)
 
 
