@@ -145,3 +145,35 @@ def test_attention_heads_nest_exactly_sequence_first_and_in_the_batch(module, na
     assert {key: tuple(tier.state_dict()[key].shape) for key in narrowed} == narrowed
     assert zeroed_parity(compiled, "narrow", torch.randn(2, 1, 2, 2)) < 1e-6
 
+
+
+class OverChannels(nn.Module):
+    """Normalised over the channels (``F.normalize``, ``F.softmax`` and ``Tensor.softmax`` by
+    keyword, ``torch.log_softmax`` by position): each layer's channels are kept or dropped
+    together; and functional linear layers, one with its own bias by position, one with a
+    bias of another name by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Conv2d(1, 4, 1) for _ in range(4))
+        self.fc = nn.Linear(16, 8)
+        self.w, self.b2 = nn.Parameter(torch.randn(3, 8) / 3), nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = torch.cat([F.normalize(self.a(x), dim=1), F.softmax(self.b(x), 1), torch.log_softmax(self.c(x), 1),
+                       self.d(x).softmax(dim=1)], 1).mean((2, 3))
+        return F.linear(torch.relu(F.linear(h, self.fc.weight, self.fc.bias)), weight=self.w, bias=self.b2)
+
+
+def test_what_is_normalised_over_channels_stays_whole_and_functional_linear_layers_are_cut():
+    torch.manual_seed(0)
+    module = OverChannels().eval()
+    compiled = narrow_and_full(nest(module, (1, 1, 2, 2), name="over_channels"))
+    x = torch.randn(2, 1, 2, 2)
+    with torch.no_grad():
+        assert torch.equal(compiled.create_global_model().eval()(x), module(x))
+    tier = compiled["narrow"].build()
+    assert {k: tuple(v.shape) for k, v in tier.state_dict().items()} == {
+        "a.weight": (4, 1, 1, 1), "a.bias": (4,), "b.weight": (4, 1, 1, 1), "b.bias": (4,), "c.weight": (4, 1, 1, 1),
+        "c.bias": (4,), "d.weight": (4, 1, 1, 1), "d.bias": (4,), "fc.weight": (6, 16), "fc.bias": (6,), "w": (3, 6), "b2": (3,)}
+    assert zeroed_parity(compiled, "narrow", x) < 1e-6

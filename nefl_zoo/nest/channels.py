@@ -247,9 +247,7 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                     ch.quantum.append((vec, x.shape[1] // args[1]))
                 return x
             if name in ("softmax", "log_softmax", "normalize"):  # over channels (channel attention, cosine attention):
-                dim = (args[1] if len(args) > 1 else kwargs.get("dim", 1 if name == "normalize" else None)) % x.ndim
-                if name == "normalize" and len(args) > 1:  # normalize(x, p, dim)
-                    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 1)) % x.ndim
+                dim = (args[1] if len(args) > 1 else kwargs.get("dim")) % x.ndim  # F.normalize, F.softmax: by keyword
                 ch.union(x, x.amax(dim, keepdim=True))  # those channels are kept or removed together
                 return x
             if name == "einsum":
