@@ -153,10 +153,22 @@ def test_two_tiers_that_keep_different_channels_of_one_shape_are_refused(forms):
         plan.index_cache[key] = kept
 
 
+def test_a_tier_lists_the_blocks_it_keeps_after_a_removed_one_and_refuses_a_shape_it_never_built(forms):
+    _, name = forms
+    tier = create_model(name, gamma_w=0.5, steps=[[1, 0, 1, 0, 1]])
+    assert [view.step_key for _, _, view in tier.residual_blocks()] == ["step", "step_2", "step_4"]
+    with pytest.raises(NestError, match=r"^a\.weight: no tier of shape \(5, 5, 3, 3\) was built from this plan$"):
+        tier.slice_index("a.weight", torch.Size((5, 5, 3, 3)), torch.Size((8, 8, 3, 3)))
+
+
 def test_library_models_register_their_arguments_and_summary():
+    from nefl_zoo.models.registry import UnknownModelError
+
     info = model_info("torchvision:resnet18")
     assert info.args is AutoArgs and info.module == "nefl_zoo.nest.net"
     assert info.summary == "torchvision:resnet18, nested automatically (channel-dependency graph)."
+    with pytest.raises(UnknownModelError, match=r"^unknown model 'torchvision:resnet_nope': no such torchvision or timm model$"):
+        model_info("torchvision:resnet_nope")
 
 
 class ListedScale(nn.Module):
