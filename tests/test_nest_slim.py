@@ -21,6 +21,16 @@ def narrow_and_full(name: str, gamma_w: float = 0.5):
     return compile_spec(parse_spec({"model": name, "tiers": [{"name": "narrow", "gamma_w": gamma_w}, {"name": "full"}]}))
 
 
+def nested_as_is(module: nn.Module, size: int, name: str):
+    """``module`` nested (tiers ``narrow`` and ``full``), its full tier checked against it; and an input."""
+    torch.manual_seed(0)
+    compiled = narrow_and_full(nest(module.eval(), (1, 1, size, size), name=name))
+    x = torch.randn(2, 1, size, size)
+    with torch.no_grad():
+        assert torch.equal(compiled.create_global_model().eval()(x), module(x))
+    return compiled, x
+
+
 class Functional(nn.Module):
     """Grouped functional convolutions (groups given by position and by keyword, the bias a
     parameter of another name), a GroupNorm module and a functional one (groups of 2 and of 4
@@ -71,11 +81,7 @@ class Selections(nn.Module):
 
 def test_functional_layers_and_norms_are_cut_to_the_kept_channels_exactly():
     torch.manual_seed(0)
-    module = Functional().eval()
-    compiled = narrow_and_full(nest(module, (1, 1, 4, 4), name="functional_layers"))
-    x = torch.randn(2, 1, 4, 4)
-    with torch.no_grad():
-        assert torch.equal(compiled.create_global_model().eval()(x), module(x))
+    compiled, x = nested_as_is(Functional(), 4, "functional_layers")
     assert zeroed_parity(compiled, "narrow", x) < 1e-5
     tier = compiled["narrow"].build()
     assert tier.w.shape == (12, 4, 3, 3) and tier.w2.shape == (12, 4, 1, 1)  # ceil(16 sqrt(0.5)): 3 of 4 groups
@@ -167,11 +173,7 @@ class OverChannels(nn.Module):
 
 def test_what_is_normalised_over_channels_stays_whole_and_functional_linear_layers_are_cut():
     torch.manual_seed(0)
-    module = OverChannels().eval()
-    compiled = narrow_and_full(nest(module, (1, 1, 2, 2), name="over_channels"))
-    x = torch.randn(2, 1, 2, 2)
-    with torch.no_grad():
-        assert torch.equal(compiled.create_global_model().eval()(x), module(x))
+    compiled, x = nested_as_is(OverChannels(), 2, "over_channels")
     tier = compiled["narrow"].build()
     assert {k: tuple(v.shape) for k, v in tier.state_dict().items()} == {
         "a.weight": (4, 1, 1, 1), "a.bias": (4,), "b.weight": (4, 1, 1, 1), "b.bias": (4,), "c.weight": (4, 1, 1, 1),
