@@ -126,6 +126,13 @@ def crash_in_round(config, out, monkeypatch, round_index: int = 2) -> None:
     monkeypatch.setattr(Engine, "run_round", original)
 
 
+def assert_equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same keys and bit-identical tensors of the same dtypes."""
+    assert a.keys() == b.keys()
+    different = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
 def same_tensors(a_dir, b_dir, name: str = "global.safetensors") -> bool:
     """Whether two run directories hold the same tensors (keys, dtypes, values) in ``name``."""
     from safetensors.torch import load_file

@@ -18,7 +18,7 @@ from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_back
 from nefl_zoo.fl.methods.fedlps.method import BACKBONE_SHA256
 from nefl_zoo.fl.strategy import ClientInfo, Instruction
 
-from .conftest import crash_in_round, records, same_tensors, tiny
+from .conftest import assert_equal_tensors, crash_in_round, records, same_tensors, tiny
 
 torch.set_num_threads(1)
 LEVELS = {"levels": [0.0, 0.4, 0.8]}  # tiny()'s tiers g1, g0.5, g0.25 (largest first)
@@ -172,10 +172,6 @@ def test_the_first_round_chooses_the_masks_from_the_locally_trained_predictors_a
     assert pruned_first.loss != reply.loss
 
 
-def equal_states(a, b) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
-
-
 def test_pre_training_is_plain_sgd_over_seeded_shuffles_of_full_batches_and_is_logged(caplog, tmp_path):
     import logging
 
@@ -198,13 +194,13 @@ def test_pre_training_is_plain_sgd_over_seeded_shuffles_of_full_batches_and_is_l
         F.cross_entropy(by_hand(x), y).backward()
         optimizer.step()
     net = pretrain(model, model_args, public, config.train, 5, 1, config.placement(), 0.05)
-    assert equal_states(net.state_dict(), by_hand.state_dict())
+    assert_equal_tensors(net.state_dict(), by_hand.state_dict())
 
     strategy = config.build_strategy()  # pretrain_lr and pretrain_epochs reach the run's pre-training
     with caplog.at_level(logging.INFO, logger="nefl_zoo.fl.methods.fedlps.pretrain"):
         strategy.init_global_state()
     pretrain_backbone(config, 1, tmp_path / "backbone.safetensors", lr=0.05)  # what pretrain_lr: 0.05 loads
-    assert equal_states(strategy.backbone.state_dict(), load_file(str(tmp_path / "backbone.safetensors")))
+    assert_equal_tensors(strategy.backbone.state_dict(), load_file(str(tmp_path / "backbone.safetensors")))
     message = caplog.records[-1].getMessage()
     assert re.fullmatch(rf"fedlps: backbone pre-trained on the {len(public)} held-out images, 1 epochs, in \d\.\d s "
                         r"\(test accuracy 0\.\d{4}\)", message), message

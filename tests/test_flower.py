@@ -20,8 +20,8 @@ from nefl_zoo.fl.flower.client import app as client_app  # noqa: E402
 from nefl_zoo.fl.flower.nodes import node_levels  # noqa: E402
 from nefl_zoo.fl.flower.records import read_reply, reply_content, tensor_bytes, to_state  # noqa: E402
 
-from .conftest import records, same_tensors, tiny  # noqa: E402
-from .support.flower import assert_equal_tensors, nbytes  # noqa: E402
+from .conftest import assert_equal_tensors, records, same_tensors, tiny  # noqa: E402
+from .support.flower import nbytes  # noqa: E402
 
 torch.set_num_threads(1)
 TIERS = ["g0.25", "g0.5", "g1"]

@@ -15,7 +15,7 @@ from nefl_zoo.fl.flower.records import (instruction_content, read_instruction, r
                                         tensor_bytes, to_state)
 from nefl_zoo.fl.strategy import Instruction, Reply  # noqa: E402
 
-from .support.flower import assert_equal_tensors  # noqa: E402
+from .conftest import assert_equal_tensors  # noqa: E402
 
 
 def same(a, b) -> bool:

@@ -194,3 +194,21 @@ def test_a_tensor_the_forward_reads_from_a_list_is_carried_into_every_tier_and_c
         assert torch.equal(compiled.create_global_model().eval()(x), module(x))
     assert zeroed_parity(compiled, "t", x) < 1e-6
     assert torch.equal(compiled["t"].build()._tensor_constant0, module.scales[0][:, :6])
+
+
+class MetaScale(ListedScale):
+    def __init__(self):
+        super().__init__()
+        self.scales = [torch.ones(1, 8, 1, 1, device="meta")]  # shape only: no values to carry
+
+
+def test_a_listed_tensor_without_values_is_refused_in_one_line_when_a_tier_needs_data():
+    from nefl_zoo.nest.net import build_tier
+    from nefl_zoo.nest.sources import Source
+
+    with torch.device("meta"):  # shape-only tiers need no values
+        assert build_tier(("meta_scale",), lambda: Source("module:meta_scale", MetaScale), 1, 2, 2)._tensor_constant0.is_meta
+    with pytest.raises(NestError, match=r"^module:meta_scale: _tensor_constant0: a tensor its forward reads from outside "
+                                        r"its parameters and buffers \(from a list or a global\) has no values here; "
+                                        r"register it as a buffer$"):
+        build_tier(("meta_scale",), lambda: Source("module:meta_scale", MetaScale), 1, 2, 2)

@@ -96,8 +96,7 @@ def test_a_functional_layer_norm_normalises_the_kept_channels_with_their_weights
     compiled = narrow_and_full(nest(module, (1, 1, 2, 2), name="channels_last_norm"))
     full = compiled.create_global_model().eval()
     tier = compiled["narrow"].load(compiled.init_global_state(full)).eval()
-    kept = compiled["narrow"].slice_map["stem.weight"].index[0]
-    assert kept.tolist() == list(range(6)) if isinstance(kept, torch.Tensor) else kept == slice(0, 6)
+    assert compiled["narrow"].slice_map["stem.weight"].index[0] == slice(0, 6)  # the first 6 channels
     x = torch.randn(2, 1, 2, 2)
     h = F.layer_norm(module.stem(x)[:, :6].permute(0, 2, 3, 1), (6,), module.ln_w[:6], module.ln_b[:6])
     h = F.layer_norm(h, (6,), module.ln_b[:6], module.ln_w[:6])

@@ -82,13 +82,6 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def assert_equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Same keys and bit-identical tensors of the same dtypes."""
-    assert a.keys() == b.keys()
-    different = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
 def layout(run_dir: Path) -> set[str]:
     """A run directory's file names, the checkpoint generation's id masked."""
     return {re.sub(r"ckpt-\w+-\w+", "ckpt-#", p.name) for p in run_dir.iterdir()}
