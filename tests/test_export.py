@@ -194,6 +194,85 @@ def test_pad_channels_refuses_what_padding_would_change():
         pad_channels(vit.blocks, 8)
 
 
+def odd_network() -> torch.nn.Sequential:
+    """Every layer kind :func:`pad_channels` pads, with the options it must carry over: a
+    dilated reflect-padded convolution without bias, a BatchNorm with its own eps and
+    statistics, a linear layer without bias."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 5, 3, padding=2, dilation=2, bias=False, padding_mode="reflect"),
+        torch.nn.BatchNorm2d(5, eps=0.5), torch.nn.ReLU(), torch.nn.Conv2d(5, 6, 1), torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(6, 4, bias=False))
+    net[1].running_mean.uniform_(-1, 1)
+    net[1].running_var.uniform_(0.1, 0.3)
+    net[1].weight.data.uniform_(0.5, 2)
+    return net.eval()
+
+
+def test_pad_channels_pads_every_layer_kind_and_keeps_the_output():
+    net, x = odd_network(), torch.randn(2, 3, 6, 6)
+    traced = torch.fx.symbolic_trace(net)
+    before = {k: v.clone() for k, v in traced.state_dict().items()}
+    for module in (net, traced):  # a plain module is traced; a traced one is copied, not changed
+        padded = pad_channels(module, 8)
+        assert {k: tuple(v.shape) for k, v in padded.state_dict().items()} == {
+            "0.weight": (8, 3, 3, 3), "1.weight": (8,), "1.bias": (8,), "1.running_mean": (8,), "1.running_var": (8,),
+            "1.num_batches_tracked": (), "3.weight": (8, 8, 1, 1), "3.bias": (8,), "6.weight": (4, 8)}
+        with torch.no_grad():
+            assert (padded(x) - net(x)).abs().max() <= 1e-5
+    assert traced.state_dict().keys() == before.keys()
+    assert all(torch.equal(traced.state_dict()[k], v) for k, v in before.items())
+
+
+def test_pad_channels_refuses_a_layer_it_cannot_pad_after_one_it_can():
+    with pytest.raises(ValueError, match=r"^cannot pad channels of 1\.weight \(GroupNorm\)"):
+        pad_channels(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.GroupNorm(2, 4)), 8)
+
+
+def test_onnx_latency_ms_times_the_file_export_writes_after_two_warmups(monkeypatch):
+    from nefl_zoo.export import onnx_file
+
+    real, made, timed = onnx_file.session_from_bytes, {}, {}
+
+    def session(data, source, threads=None):
+        made.update(data=data, source=source, threads=threads, session=real(data, source, threads=threads))
+        return made["session"]
+
+    def median(fn, runs, warmup):
+        timed.update(runs=runs, warmup=warmup, out=fn())
+        return 1.25
+
+    monkeypatch.setattr(onnx_file, "session_from_bytes", session)
+    monkeypatch.setattr(onnx_file, "median_ms", median)
+    net = odd_network()
+    assert onnx_file.onnx_latency_ms(net, (3, 6, 6), 3, 2, 7) == 1.25
+    assert made["source"].endswith("candidate.onnx") and made["threads"] == 2
+    assert timed == {"runs": 7, "warmup": 2, "out": timed["out"]} and timed["out"][0].shape == (3, 4)
+    assert made["session"].get_inputs()[0].shape == [3, 3, 6, 6]  # the batch is fixed
+    assert "BatchNormalization" not in {n.op_type for n in onnx.load_model_from_string(made["data"]).graph.node}
+    x = torch.randn(3, 3, 6, 6)
+    with torch.no_grad():
+        assert np.abs(made["session"].run(None, {"input": x.numpy()})[0] - net(x).numpy()).max() <= 1e-5
+
+
+@pytest.mark.parametrize("cpuinfo, block", [("flags\t: fpu sse avx2 avx512f avx512bw\n", 16),
+                                            ("flags\t: fpu sse avx2 avx512fp16\n", 8), ("flags\t: fpu sse\n", 8), (None, 8)])
+def test_the_cpu_channel_block_is_16_with_avx512f_else_8(monkeypatch, cpuinfo, block):
+    from nefl_zoo.export import onnx_file
+
+    class FakePath:
+        def __init__(self, path):
+            assert path == "/proc/cpuinfo"
+
+        def read_text(self):
+            if cpuinfo is None:
+                raise PermissionError("no /proc here")
+            return cpuinfo
+
+    monkeypatch.setattr(onnx_file, "Path", FakePath)
+    assert onnx_file.cpu_channel_block() == block
+
+
 def test_vit_export_from_a_spec_file(tmp_path):
     spec_path = tmp_path / "vit.yaml"
     spec_path.write_text(yaml.safe_dump(VIT_SPEC))

@@ -142,7 +142,8 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
                 return spread(channel_vector(x, 1, where, ch, shared=True), out.shape)
             if isinstance(out, torch.Tensor) and out.shape == x.shape:
                 return x  # activations, dropout, identity
-            raise NestError(f"{where}: a layer that changes the shape {tuple(x.shape)} -> nesting does not know")
+            after = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise NestError(f"{where}: a layer that changes the shape {tuple(x.shape)} -> {after}, which nesting does not know")
 
         def generated(self, m, target, where, args, kwargs):
             """A layer that makes a tensor from sizes alone (a Fourier position encoding): kept
@@ -158,12 +159,12 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
             return ids
 
         def call_function(self, target, args, kwargs):
-            return self.function(op_name(self.node), target, args, kwargs, lambda: target(*args, **kwargs))
+            return self.function(op_name(self.node), target, args, kwargs)
 
         def call_method(self, target, args, kwargs):
-            return self.function(target, target, args, kwargs, lambda: getattr(args[0], target)(*args[1:], **kwargs))
+            return self.function(target, target, args, kwargs)
 
-        def function(self, name, target, args, kwargs, native):  # noqa: C901 - one branch per kind of operation
+        def function(self, name, target, args, kwargs):  # noqa: C901 - one branch per kind of operation
             n = self.node
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             where = f"{n.name} ({name})"
@@ -315,8 +316,10 @@ def analyse(gm: torch.fx.GraphModule, example: torch.Size, model: str) -> Channe
 
     def linear(where, owner, x, cout, bias, wkey=None):
         wkey = wkey or f"{owner}.weight"
-        if x.shape[-1] > 1 and not varies(x, x.ndim - 1) and any(varies(x, d) for d in range(x.ndim - 1)):
-            ch.dims[wkey] = [None, None]  # mixing tokens (MLP-Mixer): shared by every channel, which it keeps
+        if not varies(x, x.ndim - 1) and any(varies(x, d) for d in range(x.ndim - 1)):
+            # mixing tokens (MLP-Mixer), or one small layer over each channel's value (a last
+            # dimension of 1): shared by every channel, which it keeps
+            ch.dims[wkey] = [None, None]
             if bias:
                 ch.dims[f"{owner}.bias"] = [None]
             return x.narrow(-1, 0, 1).expand(*x.shape[:-1], cout)
