@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 from torch.nn import functional as F
 
+from nefl_zoo.models import create_model
 from nefl_zoo.nest import NestError, nest
 from nefl_zoo.nest.channels import ShapeError, analyse
 from nefl_zoo.nest.verify import zeroed_parity
@@ -95,7 +96,8 @@ class Moves(nn.Module):
         windows = rows.unfold(3, 2, 2)  # 3 x 2 x 2
         patches = F.unfold(h, kernel_size=2, stride=2)  # 32 x 4
         back = F.fold(patches, output_size=(4, 4), kernel_size=2, stride=2)
-        return self.head(torch.cat([windows.mean((2, 3, 4)), rows.amax((2, 3)), back.mean((2, 3)), back.amin((2, 3))], 1))
+        return self.head(torch.cat([windows.mean((2, 3, 4)), rows.amax((2, 3), True).flatten(1), back.mean(dim=(2, 3)),
+                                    back.amin((2, 3))], 1))
 
 
 def test_pads_index_selections_and_windows_move_positions_and_keep_channels():
@@ -112,7 +114,7 @@ class Inner(nn.Module):
 
 class LinearForms(nn.Module):
     """Functional layers: a linear layer with a nested module's weight and bias by position,
-    a hidden one whose bias is a parameter of another name, one without bias, a 1-d
+    a hidden one whose bias is a parameter of another name (by keyword), one without bias, a 1-d
     convolution; squeeze-excitation as an einsum whose operands come in a list, and
     ``torch.addcmul`` of three layers' outputs (their channels meet one by one)."""
 
@@ -127,8 +129,8 @@ class LinearForms(nn.Module):
         h = torch.addcmul(self.conv(x), self.p(x), self.q(x), value=0.5)
         gate = torch.sigmoid(F.linear(h.mean((2, 3)), self.block.fc.weight, self.block.fc.bias))
         h = torch.einsum("bchw,bc->bchw", [h, gate])
-        h = F.conv1d(h.flatten(2), self.w1d, None, 1, 1).mean(2)
-        return self.head(F.linear(torch.relu(F.linear(h, self.w, self.b)), self.plain))
+        h = F.conv1d(h.flatten(2), self.w1d, None, 1, 1, 1).mean(2)  # groups by default: six arguments
+        return self.head(F.linear(torch.relu(F.linear(h, self.w, bias=self.b)), self.plain))
 
 
 def test_functional_layers_of_every_call_form_and_einsum_operand_lists_are_cut():
@@ -242,26 +244,28 @@ def test_a_layer_whose_parameters_are_its_childrens_is_kept_whole():
 
 class BiasedAttention(nn.Module):
     """Attention of 4 heads of 2 with a learned bias per head as ``attn_mask`` (by keyword):
-    the bias nests with its heads. Beside it a layer normalised by its largest channel, whose
-    width an attention network keeps (statistics over channels)."""
+    the bias nests with its heads. Beside it layers normalised by their largest channel and by
+    a functional group norm, whose width an attention network keeps (statistics over channels)."""
 
     def __init__(self):
         super().__init__()
-        self.qkv, self.out, self.other = nn.Conv2d(1, 24, 1), nn.Linear(8, 3), nn.Conv2d(1, 8, 1)
+        self.qkv, self.out, self.other, self.grouped = nn.Conv2d(1, 24, 1), nn.Linear(8, 3), nn.Conv2d(1, 8, 1), nn.Conv2d(1, 8, 1)
         self.bias = nn.Parameter(torch.randn(1, 4, 4, 4))
+        self.gw, self.gb = nn.Parameter(torch.linspace(0.5, 2, 8)), nn.Parameter(torch.linspace(-1, 1, 8))
 
     def forward(self, x):
         b = x.shape[0]
         q, k, v = self.qkv(x).flatten(2).transpose(1, 2).reshape(b, 4, 3, 4, 2).permute(2, 0, 3, 1, 4).unbind(0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2).reshape(b, 4, 8)
         h = self.other(x)
-        return self.out(o.mean(1)) + (h / h.abs().amax(1, keepdim=True)).mean((1, 2, 3)).unsqueeze(1)
+        g = F.group_norm(self.grouped(x), 2, self.gw, self.gb)
+        return self.out(o.mean(1)) + (h / h.abs().amax(1, keepdim=True) + g).mean((1, 2, 3)).unsqueeze(1)
 
 
 def test_an_attention_bias_nests_with_its_heads_and_channel_statistics_keep_their_width():
     shapes, parity = tiers(BiasedAttention(), 2, "biased_attention")
     assert shapes["qkv.weight"] == (18, 1, 1, 1) and shapes["bias"] == (1, 3, 4, 4) and shapes["out.weight"] == (3, 6)
-    assert shapes["other.weight"] == (8, 1, 1, 1) and parity < 1e-5
+    assert shapes["other.weight"] == shapes["grouped.weight"] == (8, 1, 1, 1) and parity < 1e-5
 
 
 class PositionTable(nn.Module):
@@ -297,6 +301,14 @@ def test_a_layer_made_from_sizes_alone_is_kept_whole_with_every_channel_it_meets
     conv, other = ch.dims["conv.weight"][0], ch.dims["other.weight"][0]
     fixed = {int(roots[i]) for i in ch.fixed}
     assert all(int(roots[i]) in fixed for i in conv) and not any(int(roots[i]) in fixed for i in other)
+
+    class Flat(PositionTable):  # a vector made from sizes: no channels to keep it with
+        def forward(self, h, w):
+            return self.scale * h * w
+
+    module.pos = Flat()
+    with pytest.raises(NestError, match=r"^pos \(Flat\): a layer with parameters that nesting does not know$"):
+        analyse(fx.GraphModule(module, Leaves().trace(module)), torch.Size((1, 1, 2, 2)), "positioned")
 
 
 class Fails(nn.Module):
@@ -358,6 +370,34 @@ class MixedNorm(nn.Module):
         return F.instance_norm(torch.cat([self.a(x), self.b(x)], 3)).mean((1, 2, 3)).unsqueeze(1)
 
 
+class Bilinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.both = nn.Conv2d(1, 8, 1), nn.Bilinear(8, 8, 3)
+
+    def forward(self, x):
+        h = self.conv(x).mean((2, 3))
+        return self.both(h, h)
+
+
+class Fractional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(1, 8, 1), nn.FractionalMaxPool2d(2, output_size=2, return_indices=True)
+
+    def forward(self, x):
+        return self.pool(self.conv(x))[0].mean((1, 2, 3)).unsqueeze(1)
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 1)
+
+    def forward(self, x):
+        return F.glu(self.conv(x), 1).mean((1, 2, 3)).unsqueeze(1)
+
+
 @pytest.mark.parametrize("module, error, message", [
     (Fails, ShapeError, "module:fails: reshape (reshape): RuntimeError: shape '[1, 8, 16]' is invalid for input of size 256"),
     (ComputedWeight, NestError, "linear (linear): a weight computed in the forward (weight standardisation: statistics over its input channels)"),
@@ -365,8 +405,29 @@ class MixedNorm(nn.Module):
     (OverlappingFold, NestError, "fold (fold): a fold that sums different channels"),
     (Shuffled, NestError, "shuffle (PixelShuffle): a layer that changes the shape (1, 8, 4, 4) -> (1, 2, 8, 8), which nesting does not know"),
     (MixedNorm, NestError, "instance_norm (instance_norm): its channels are mixed with other dimensions"),
+    (Bilinear, NestError, "both (Bilinear): a layer with parameters that nesting does not know"),
+    (Fractional, NestError, "pool (FractionalMaxPool2d): a layer that changes the shape (1, 8, 4, 4) -> tuple, which nesting does not know"),
+    (Gated, NestError, "glu (glu): an operation nesting does not know"),
 ])
 def test_an_operation_that_cannot_be_nested_is_refused_in_one_line_naming_its_node(module, error, message):
     with pytest.raises(error) as refused:
         nest(module().eval(), (1, 1, 4, 4), name=module.__name__.lower())
     assert str(refused.value) == message
+
+
+class Norms(nn.Module):
+    """Statistics over channels in a CNN: a GroupNorm module, a functional one, a mean over channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn, self.head = nn.Conv2d(1, 8, 1), nn.GroupNorm(4, 8), nn.Linear(8, 3)
+        self.w, self.b = nn.Parameter(torch.linspace(0.5, 2, 8)), nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, x):
+        h = F.group_norm(self.gn(self.conv(x)), 2, self.w, self.b)
+        return self.head((h - h.mean(1, keepdim=True)).mean((2, 3)))
+
+
+def test_a_cnns_statistics_over_channels_are_listed_as_inexact_norms():
+    model = create_model(nest(Norms().eval(), (1, 1, 2, 2), name="norms"))
+    assert model.plan.inexact_norms == ["gn (GroupNorm)", "group_norm (group_norm)", "mean (mean)"]

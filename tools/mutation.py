@@ -4,8 +4,10 @@ Each module in ``[tool.nefl-zoo.mutation]`` of ``pyproject.toml`` is mutated alo
 mutants are run against that module's test files only, one at a time (``--children N``: N at once): a list of files, or a
 table ``{tests = [...], timeout_constant = S}`` for files whose module-scoped fixtures take
 long (mutmut's timeout counts only the test calls, so S seconds are added to each mutant's
-estimate). Each mutant runs its tests file by file in the listed order (fastest first within a
-file, as mutmut does), so a mutant that the fast files kill never starts the slow ones. mutmut
+estimate). Each mutant runs every test of each file in which mutmut saw one of its tests
+(:func:`whole_files`: a module-scoped fixture's readers too), file by file in the listed order
+(fastest first within a file, as mutmut does), so a mutant that the fast files kill never
+starts the slow ones. mutmut
 keeps one set of results, reset whenever the test selection changes, so the score and the
 surviving mutants of each module are printed right after its run::
 
@@ -45,6 +47,18 @@ def in_file_order(tests: list[str], selection: list[str]) -> list[str]:
     return sorted(tests, key=lambda t: files.index(t.split("::")[0]) if t.split("::")[0] in files else len(files))
 
 
+def whole_files(tests_by_function: dict[str, set[str]], all_tests: list[str]) -> None:
+    """Give each function every test of each file one of its tests is in. mutmut credits a
+    function only to the tests during which it ran, so a module-scoped fixture (an export made
+    once per file) is credited to the first test that asks for it, and the tests that read it
+    afterwards would never run against the function's mutants."""
+    by_file: dict[str, set[str]] = {}
+    for test in all_tests:
+        by_file.setdefault(test.split("::")[0], set()).add(test)
+    for tests in tests_by_function.values():
+        tests |= {t for f in {t.split("::")[0] for t in tests} for t in by_file.get(f, ())}
+
+
 def sample_names(module: str, size: int, seed: int) -> list[str]:
     """``size`` names drawn with ``seed`` from the sorted mutants of ``module`` (generated first)."""
     from mutmut.__main__ import (collect_source_file_mutation_data, copy_also_copy_files, copy_src_dir,
@@ -65,8 +79,10 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
         children: int = 1) -> None:
     """Mutate ``module`` and run its mutants (or only ``names``, or a ``sample`` of (size,
     seed)) against ``entry["tests"]``, ``children`` mutants at a time; print the score and the survivors."""
+    import mutmut.__main__ as mutmut_main
     import mutmut.configuration as configuration
     from mutmut.__main__ import cli, collect_source_file_mutation_data
+    from mutmut.state import state
     from mutmut.runners.harness import PytestRunner
     from mutmut.stats import status_by_exit_code
 
@@ -76,6 +92,13 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
         base, pytest_add_cli_args_test_selection=tests,
         timeout_constant=float(entry.get("timeout_constant", base.timeout_constant)),
     )
+    collect = mutmut_main.collect_or_load_stats
+
+    def collect_whole_files(*args, **kwargs):
+        collect(*args, **kwargs)
+        whole_files(state().tests_by_mangled_function_name, list(state().duration_by_test))
+
+    mutmut_main.collect_or_load_stats = collect_whole_files
     regular_args = PytestRunner._pytest_args_regular_run
     PytestRunner._pytest_args_regular_run = lambda self, ids: regular_args(self, in_file_order(list(ids), tests))
     if sample:
@@ -87,6 +110,7 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
             raise
     finally:
         PytestRunner._pytest_args_regular_run = regular_args  # the next module orders by its own files
+        mutmut_main.collect_or_load_stats = collect
     mutants, _ = collect_source_file_mutation_data(mutant_names=names or [f"{module}.*"])
     status = {name: status_by_exit_code[result] for _, name, result in mutants}
     counts = Counter(status.values())
