@@ -21,8 +21,9 @@ from nefl_zoo.spec import parse_spec
 
 
 def tiers(module: nn.Module, size: int, name: str):
-    """``module`` nested (tiers ``narrow``, gamma_W 0.5, and ``full``): the compiled spec, its
-    narrow tier's tensor shapes, and that tier's distance from the zeroed full model."""
+    """``module`` nested (tiers ``narrow``, gamma_W 0.5: ceil(8 sqrt(0.5)) = 6 of 8 channels, and
+    ``full``, checked equal to ``module``): the narrow tier's tensor shapes and its distance
+    from the full model with the removed channels zeroed."""
     torch.manual_seed(0)
     compiled = compile_spec(parse_spec({"model": nest(module.eval(), (1, 1, size, size), name=name),
                                         "tiers": [{"name": "narrow", "gamma_w": 0.5}, {"name": "full"}]}))
@@ -93,11 +94,11 @@ class Moves(nn.Module):
     def forward(self, x):
         h = F.pad(F.pad(self.conv(x), (1, 1, 0, 1)), pad=(0, 0, 0, 1))  # 2 x 2 -> 4 x 4
         rows = torch.index_select(h, 2, self.rows)  # 3 x 4
+        rows = rows / (1 + rows.abs().amax((2, 3), True))  # keepdim by position: broadcast back
         windows = rows.unfold(3, 2, 2)  # 3 x 2 x 2
         patches = F.unfold(h, kernel_size=2, stride=2)  # 32 x 4
         back = F.fold(patches, output_size=(4, 4), kernel_size=2, stride=2)
-        return self.head(torch.cat([windows.mean((2, 3, 4)), rows.amax((2, 3), True).flatten(1), back.mean(dim=(2, 3)),
-                                    back.amin((2, 3))], 1))
+        return self.head(torch.cat([windows.mean((2, 3, 4)), rows.amax((2, 3)), back.mean(dim=(2, 3)), back.amin((2, 3))], 1))
 
 
 def test_pads_index_selections_and_windows_move_positions_and_keep_channels():
@@ -398,6 +399,16 @@ class Gated(nn.Module):
         return F.glu(self.conv(x), 1).mean((1, 2, 3)).unsqueeze(1)
 
 
+class VectorProduct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 1)
+
+    def forward(self, x):
+        v = self.conv(x).mean((0, 2, 3))
+        return (v @ v).view(1, 1)
+
+
 @pytest.mark.parametrize("module, error, message", [
     (Fails, ShapeError, "module:fails: reshape (reshape): RuntimeError: shape '[1, 8, 16]' is invalid for input of size 256"),
     (ComputedWeight, NestError, "linear (linear): a weight computed in the forward (weight standardisation: statistics over its input channels)"),
@@ -408,6 +419,7 @@ class Gated(nn.Module):
     (Bilinear, NestError, "both (Bilinear): a layer with parameters that nesting does not know"),
     (Fractional, NestError, "pool (FractionalMaxPool2d): a layer that changes the shape (1, 8, 4, 4) -> tuple, which nesting does not know"),
     (Gated, NestError, "glu (glu): an operation nesting does not know"),
+    (VectorProduct, NestError, "matmul (matmul): a product of vectors"),
 ])
 def test_an_operation_that_cannot_be_nested_is_refused_in_one_line_naming_its_node(module, error, message):
     with pytest.raises(error) as refused:
