@@ -59,6 +59,12 @@ def whole_files(tests_by_function: dict[str, set[str]], all_tests: list[str]) ->
         tests |= {t for f in {t.split("::")[0] for t in tests} for t in by_file.get(f, ())}
 
 
+def own_mutants(module: str) -> list[str]:
+    """mutmut's name patterns for the mutants of ``module``'s own functions and methods: a
+    package's ``__init__.py`` (``nefl_zoo.nest``) without those of its submodules."""
+    return [f"{module}.x_*", f"{module}.xǁ*"]
+
+
 def sample_names(module: str, size: int, seed: int) -> list[str]:
     """``size`` names drawn with ``seed`` from the sorted mutants of ``module`` (generated first)."""
     from mutmut.__main__ import (collect_source_file_mutation_data, copy_also_copy_files, copy_src_dir,
@@ -69,7 +75,7 @@ def sample_names(module: str, size: int, seed: int) -> list[str]:
     copy_also_copy_files()
     setup_source_paths()
     create_mutants(1)
-    mutants, _ = collect_source_file_mutation_data(mutant_names=[f"{module}.*"])
+    mutants, _ = collect_source_file_mutation_data(mutant_names=own_mutants(module))
     names = sorted(name for _, name, _ in mutants)
     print(f"{module}: {min(size, len(names))} of its {len(names)} mutants drawn with seed {seed}")
     return sorted(random.Random(seed).sample(names, min(size, len(names))))
@@ -104,14 +110,14 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
     if sample:
         names = sample_names(module, *sample)
     try:
-        cli(["run", "--max-children", str(children), *(names or [f"{module}.*"])], standalone_mode=False)
+        cli(["run", "--max-children", str(children), *(names or own_mutants(module))], standalone_mode=False)
     except SystemExit as exc:  # mutmut exits when the clean run of the tests fails
         if exc.code:
             raise
     finally:
         PytestRunner._pytest_args_regular_run = regular_args  # the next module orders by its own files
         mutmut_main.collect_or_load_stats = collect
-    mutants, _ = collect_source_file_mutation_data(mutant_names=names or [f"{module}.*"])
+    mutants, _ = collect_source_file_mutation_data(mutant_names=names or own_mutants(module))
     status = {name: status_by_exit_code[result] for _, name, result in mutants}
     counts = Counter(status.values())
     killed, survived = counts["killed"], counts["survived"]
