@@ -82,6 +82,23 @@ def test_bench_json_goes_to_stdout_and_labels_restrict_it(package):
     assert data["schema"] == "nefl-zoo-latency-table" and [e["label"] for e in data["entries"]] == ["big"]
 
 
+def test_bench_prints_the_table_it_writes(package, tmp_path, capsys):
+    """In this process (the subprocess tests above prove the torch-free run): the text table's
+    lines are the written file's entries; without --threads the header says "default"."""
+    out = tmp_path / "t.json"
+    bench_main(["bench", str(package), "--runs", "2", "--warmup", "0", "--batch", "1,2", "--labels", "small, big", "--out", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    table = load_latency_table(out)
+    assert {(e.label, e.batch) for e in table.entries} == {(t, b) for t in ("small", "big") for b in (1, 2)}
+    assert lines[0] == f"resnet20 on {table.machine.processor}: 2 timed rounds after 0 warmup, default threads"
+    assert lines[1] == "label  batch   median ms      p95 ms"
+    assert lines[2:-1] == [f"{e.label:<5}  {e.batch:>5}  {e.median_ms:>10.3f}  {e.p95_ms:>10.3f}" for e in table.entries]
+    assert lines[-1] == f"wrote {out}"
+    bench_main(["bench", str(package), "--runs", "1", "--warmup", "0", "--threads", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert (data["runs"], data["warmup"], data["threads"]) == (1, 0, 2) and {e["batch"] for e in data["entries"]} == {1}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
