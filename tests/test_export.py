@@ -320,6 +320,28 @@ def test_run_dir_with_a_wrong_shape_names_the_key(tmp_path):
         load_run_dir(tmp_path)
 
 
+def test_a_committed_training_run_is_read_through_its_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from nefl_zoo.export import read_dataset
+    from nefl_zoo.fl.engine import Engine
+
+    from .conftest import records, tiny
+
+    run = tmp_path / "run"
+    Engine(tiny(rounds=2, clients__num_clients=2, train__local_epochs=1), run).run()
+    source = load_run_dir(run)
+    published = load_file(str(run / "global.safetensors"))
+    assert source.global_state.keys() == published.keys() and all(torch.equal(source.global_state[k], published[k]) for k in published)
+    assert source.accuracy == records(run)[-1]["acc"] and set(source.accuracy) == {"g0.25", "g0.5", "g1"}
+    assert source.dataset == "digits" and source.data["dataset"] == "digits" and source.description == str(run)
+    assert [t.name for t in source.compiled.spec.tiers] == ["g0.25", "g0.5", "g1"]
+    assert read_dataset(run / "config.yaml") == "digits" and read_dataset(tmp_path / "none.yaml") is None
+    (tmp_path / "other.yaml").write_text("data: {dataset: 3}\n")
+    (tmp_path / "no-data.yaml").write_text("rounds: 3\n")
+    assert read_dataset(tmp_path / "other.yaml") is None and read_dataset(tmp_path / "no-data.yaml") is None
+
+
 def test_run_dir_problems_are_one_line_errors(tmp_path):
     compiled = compile_spec(parse_spec(RESNET_SPEC))
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(RESNET_SPEC))
