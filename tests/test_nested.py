@@ -216,6 +216,32 @@ def test_a_region_moved_by_one_channel_changes_the_outputs(exports, nested_copy)
     assert np.abs(TierRuntime(nested_copy).run(x, "small") - TierRuntime(files).run(x, "small")).max() > 1e-5
 
 
+def test_a_rehashed_file_that_does_not_fit_is_refused_naming_it(nested_copy):
+    """A slice of a tensor the shared file lacks names the per-tier file; a shared file that is
+    no tensors file names the shared file (both re-hashed, as a buggy exporter would)."""
+    first = {}
+
+    def unknown_shared(arrays, metadata):
+        content = json.loads(metadata[SLICES_KEY])
+        first["name"] = content["slices"][0]["name"]
+        content["slices"][0]["shared"] = "nope"
+        metadata[SLICES_KEY] = json.dumps(content)
+
+    edit_tier_file(nested_copy, "small", unknown_shared)
+    with pytest.raises(ManifestError) as refused:
+        TierRuntime(nested_copy).session("small")
+    assert str(refused.value) == (f"{nested_copy / 'small.fp32.tensors.safetensors'}: {SLICES_KEY}: {first['name']}: "
+                                  "shared tensor nope is not in the shared file")
+    shared = nested_copy / "shared.fp32.safetensors"
+    shared.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    manifest = json.loads((nested_copy / "manifest.json").read_text())
+    manifest["shared"]["fp32"].update(sha256=file_sha256(shared), bytes=shared.stat().st_size)
+    (nested_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError) as refused:
+        TierRuntime(nested_copy).session("mid")
+    assert str(refused.value).startswith(f"{shared}: not a valid tensors file (") and "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("file", ["shared.fp32.safetensors", "small.fp32.graph.onnx", "small.fp32.tensors.safetensors"])
 def test_a_tampered_package_file_is_refused_in_one_line(nested_copy, file):
     data = bytearray((nested_copy / file).read_bytes())
