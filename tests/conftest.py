@@ -39,6 +39,19 @@ def _fresh_nesting_plans():
 
 
 @pytest.fixture(autouse=True)
+def _model_registry():
+    """Models a test registers (``nest``, ``register_model``) are gone after it: no entry left by
+    another test (or, under mutation testing, by the clean run the mutants are forked from)
+    stands in for the code under test."""
+    from nefl_zoo.models import registry
+
+    models = dict(registry._MODELS)
+    yield
+    registry._MODELS.clear()
+    registry._MODELS.update(models)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 

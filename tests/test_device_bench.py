@@ -94,9 +94,48 @@ def test_bench_prints_the_table_it_writes(package, tmp_path, capsys):
     assert lines[1] == "label  batch   median ms      p95 ms"
     assert lines[2:-1] == [f"{e.label:<5}  {e.batch:>5}  {e.median_ms:>10.3f}  {e.p95_ms:>10.3f}" for e in table.entries]
     assert lines[-1] == f"wrote {out}"
+    bench_main(["bench", str(package), "--runs", "1", "--warmup", "0", "--labels", "big", "--out", str(out)])
+    (e,) = load_latency_table(out).entries  # a label narrower than the header: the column is the header's width
+    assert capsys.readouterr().out.splitlines()[1:3] == [lines[1], f"big    {1:>5}  {e.median_ms:>10.3f}  {e.p95_ms:>10.3f}"]
     bench_main(["bench", str(package), "--runs", "1", "--warmup", "0", "--threads", "2", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert (data["runs"], data["warmup"], data["threads"]) == (1, 0, 2) and {e["batch"] for e in data["entries"]} == {1}
+
+
+class Measured(Exception):
+    """Raised by the stand-in for the timing: what ``bench`` asked it to measure."""
+
+
+def test_bench_defaults_are_the_ones_its_help_states(package, monkeypatch, capsys):
+    def measure(runtime, batches, runs, warmup, labels):
+        raise Measured(runtime.threads, batches, runs, warmup, labels)
+
+    monkeypatch.setattr("nefl_zoo.runtime.latency.measure_latency_table", measure)
+    with pytest.raises(Measured) as measured:
+        bench_main(["bench", str(package)])
+    assert measured.value.args == (None, [1], 20, 2, None)
+    with pytest.raises(Measured) as measured:
+        bench_main(["bench", str(package), "--threads", "1", "--labels", " big,small "])
+    assert measured.value.args == (1, [1], 20, 2, ["big", "small"])
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps the help at the terminal's width
+    for argv, lines in [
+        (["--help"], ["usage: python -m nefl_zoo.runtime [-h] {bench} ...", "The torch-free tier runtime's commands.",
+                      "bench time every tier on this device and write its latency table"]),
+        (["bench", "--help"], [
+            "usage: python -m nefl_zoo.runtime bench [-h] [--batch BATCH] [--runs RUNS] [--warmup WARMUP] [--threads THREADS] [--labels LABELS] [--out OUT] [--json] package",
+            "package an export folder or its manifest.json",
+            "--batch BATCH comma-separated batch sizes (default: 1)",
+            "--runs RUNS timed rounds, every entry once per round (default: 20)",
+            "--warmup WARMUP untimed rounds first (default: 2)",
+            "--threads THREADS onnxruntime intra-op threads (default: one per core)",
+            "--labels LABELS comma-separated entries to time (default: all)",
+            "--out OUT write the table to this file (atomically)",
+            "--json print the table as JSON instead of text"]),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(argv)
+        shown = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+        assert exit_.value.code == 0 and all(line in shown for line in lines), shown
 
 
 @pytest.mark.parametrize(
@@ -116,6 +155,38 @@ def test_bench_bad_input_is_one_line_and_exit_2(package, args, message, capsys):
         bench_main(["bench", str(package), "--runs", "1", *args])
     assert exit_.value.code == 2
     assert_one_line(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        ([], "the following arguments are required: command (`python -m nefl_zoo.runtime --help` lists the options)"),
+        (["bench"], "the following arguments are required: package (`python -m nefl_zoo.runtime bench --help` lists the options)"),
+    ],
+)
+def test_a_missing_command_or_package_is_one_line_and_exit_2(argv, line, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (KeyError(), "error: KeyError"),
+        (OSError(28, "No space left on device", "/full/t.json"), "error: /full/t.json: No space left on device"),
+        (OSError("the device went away"), "error: the device went away"),
+        (MemoryError(), "error: not enough memory; use a smaller --batch"),
+    ],
+)
+def test_errors_while_timing_are_one_line_and_exit_2(package, monkeypatch, capsys, error, line):
+    def measure(*args):
+        raise error
+
+    monkeypatch.setattr("nefl_zoo.runtime.latency.measure_latency_table", measure)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["bench", str(package)])
+    assert exit_.value.code == 2 and capsys.readouterr().err == line + "\n"
 
 
 def test_bench_of_a_missing_package_is_one_line(tmp_path):

@@ -28,16 +28,13 @@ def test_registry_keeps_metadata_and_warns_on_a_duplicate_name():
     info = model_info("wide_resnet101_2")
     assert info.module == "nefl_zoo.models.resnet"
     assert info.summary == "Wide-ResNet-101-2 (bottleneck inner width x2), torchvision-compatible."
-    original = _MODELS["resnet20"]
-    try:
-        with pytest.warns(UserWarning, match="model 'resnet20' from tests.test_models replaces the one from nefl_zoo.models.resnet"):
-            @register_model
-            def resnet20(**kwargs):
-                """Another resnet20."""
-                return original.fn(**kwargs)
-        assert model_info("resnet20").summary == "Another resnet20."
-    finally:
-        _MODELS["resnet20"] = original
+    original = _MODELS["resnet20"]  # restored after the test (conftest's _model_registry)
+    with pytest.warns(UserWarning, match="model 'resnet20' from tests.test_models replaces the one from nefl_zoo.models.resnet"):
+        @register_model
+        def resnet20(**kwargs):
+            """Another resnet20."""
+            return original.fn(**kwargs)
+    assert model_info("resnet20").summary == "Another resnet20."
 
 
 @pytest.mark.parametrize("name, depths", [("resnet20", (3, 3, 3)), ("resnet56", (9, 9, 9)), ("resnet110", (18, 18, 18)), ("resnet34", (3, 4, 6, 3))])

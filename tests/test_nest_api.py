@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nefl_zoo.models import create_model
+from nefl_zoo.models.args import ModelArgsError
 from nefl_zoo.models.registry import model_info
 from nefl_zoo.nest import NestError, nest
 
@@ -36,6 +37,36 @@ def test_a_module_is_registered_under_its_class_name_with_its_weights_copied():
     assert (full.num_classes, full.default_cfg["input_size"]) == (3, (2, 4, 4))
     narrow = create_model(name, gamma_w=0.5)  # ceil(8 sqrt(0.5)) = 6 channels; to whole fours: 8
     assert narrow.conv.weight.shape == (6, 2, 1, 1) and create_model(name, gamma_w=0.5, channel_multiple=4).conv.weight.shape == (8, 2, 1, 1)
+    assert create_model(name, gamma_w=0.3).conv.weight.shape == (5, 2, 1, 1)  # ceil(8 sqrt(0.3)) = 5: no rounding by default
+
+
+def test_a_nested_module_declares_its_arguments():
+    name = nest(TwoWords(), (1, 2, 4, 4))
+    with pytest.raises(ModelArgsError, match="^gamma_w: "):
+        create_model(name, gamma_w=1.5)
+
+
+def test_the_analysis_at_nest_serves_every_tier(monkeypatch):
+    from nefl_zoo.nest import plan
+
+    analysed = []
+    monkeypatch.setattr(plan, "make_plan", lambda *args, make=plan.make_plan: analysed.append(args[1:]) or make(*args))
+    name = nest(TwoWords(), (1, 2, 4, 4))
+    assert analysed == [(2, 4)]  # analysed by nest itself: a module that cannot be nested is refused there
+    create_model(name), create_model(name, gamma_w=0.5)
+    assert analysed == [(2, 4)]
+
+
+def test_a_second_module_under_a_name_replaces_the_first():
+    class Wider(TwoWords):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(2, 12, 1), nn.Linear(12, 3)
+
+    nest(TwoWords(), (1, 2, 4, 4), name="same")
+    with pytest.warns(UserWarning, match="model 'same' .* replaces"):
+        nest(Wider(), (1, 2, 4, 4), name="same")
+    assert create_model("same").conv.weight.shape == (12, 2, 1, 1)
 
 
 @pytest.mark.parametrize("kwargs", [{"num_classes": 10}, {"in_chans": 3}, {"img_size": 8}])

@@ -157,16 +157,9 @@ def test_snippet(snippet: Snippet, workdir: Path):
 
 def run_python(snippet: Snippet) -> None:
     """Execute ``snippet`` in a fresh namespace (tracebacks give README line numbers); models
-    it registers are unregistered afterwards."""
-    from nefl_zoo.models import registry
-
+    it registers are unregistered after the test (conftest's ``_model_registry``)."""
     code = compile("\n" * snippet.line + snippet.code, str(snippet.document), "exec")
-    models = dict(registry._MODELS)
-    try:
-        exec(code, {"__name__": "__readme__"})
-    finally:
-        registry._MODELS.clear()
-        registry._MODELS.update(models)
+    exec(code, {"__name__": "__readme__"})
 
 
 def commands(snippet: Snippet) -> list[tuple[str, list[str]]]:
@@ -223,7 +216,6 @@ def test_nz_nest_is_the_function_the_readme_names():
 
     import nefl_zoo as nz
     import nefl_zoo.nest.sources  # noqa: F401  (the import that would shadow the function)
-    from nefl_zoo.models import registry
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -236,10 +228,5 @@ def test_nz_nest_is_the_function_the_readme_names():
     from nefl_zoo.nest import NestError, nest
 
     assert nz.nest is nest and nz.NestError is NestError and "nest" in nz.__all__
-    models = dict(registry._MODELS)
-    try:
-        name = nz.nest(Tiny(), (1, 3, 8, 8), name="readme_tiny")
-        assert nz.create_model(name, gamma_w=0.25)(torch.zeros(2, 3, 8, 8)).shape == (2, 4)
-    finally:
-        registry._MODELS.clear()
-        registry._MODELS.update(models)
+    name = nz.nest(Tiny(), (1, 3, 8, 8), name="readme_tiny")
+    assert nz.create_model(name, gamma_w=0.25)(torch.zeros(2, 3, 8, 8)).shape == (2, 4)

@@ -40,18 +40,19 @@ def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: s
     shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor) else example_input)
     if len(shape) != 4 or shape[2] != shape[3]:
         raise NestError(f"example_input: expected a square (N, C, H, W) input, got {shape}")
+    chans, size = shape[1], shape[2]
     name = name or "".join(f"_{c.lower()}" if c.isupper() else c for c in type(module).__name__).lstrip("_")
     template = copy.deepcopy(module).eval()
     source = Source(f"module:{name}", lambda: copy.deepcopy(template))
     with torch.no_grad():
-        classes = template(torch.zeros(1, *shape[1:])).shape[-1]
+        classes = template(torch.zeros(1, chans, size, size)).shape[-1]
     key = (source.name, id(template))
-    cached_plan(key, shape[1], shape[2], lambda: source)  # analyse now: errors surface here
+    cached_plan(key, chans, size, lambda: source)  # analyse now: errors surface here
 
-    def entry(num_classes: int = classes, in_chans: int = shape[1], img_size: int = shape[2], gamma_w: float = 1.0,
+    def entry(num_classes: int = classes, in_chans: int = chans, img_size: int = size, gamma_w: float = 1.0,
               channel_multiple: int = 1, steps=None):
-        if (num_classes, in_chans, img_size) != (classes, shape[1], shape[2]):
-            raise NestError(f"{name}: a user module keeps its {classes} classes, {shape[1]} channels, size {shape[2]}")
+        if (num_classes, in_chans, img_size) != (classes, chans, size):
+            raise NestError(f"{name}: a user module keeps its {classes} classes, {chans} channels, size {size}")
         return build_tier(key, lambda: source, in_chans, img_size, num_classes, gamma_w, channel_multiple, steps)
 
     entry.__name__ = name

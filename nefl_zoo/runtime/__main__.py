@@ -43,9 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=_int_list, default=[1], help="comma-separated batch sizes (default: 1)")
     bench.add_argument("--runs", type=int, default=20, help="timed rounds, every entry once per round (default: 20)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    bench.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: one per core)")
-    bench.add_argument("--labels", default=None, help="comma-separated entries to time (default: all)")
-    bench.add_argument("--out", default=None, help="write the table to this file (atomically)")
+    bench.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: one per core)")
+    bench.add_argument("--labels", help="comma-separated entries to time (default: all)")
+    bench.add_argument("--out", help="write the table to this file (atomically)")
     bench.add_argument("--json", action="store_true", help="print the table as JSON instead of text")
     return parser
 
