@@ -165,6 +165,39 @@ def test_int8_weights_are_quantized_once_over_the_full_tensor(exports):
     assert (factor < 0).any()  # a negative BatchNorm scale is carried by the dequantization scale
 
 
+def int8_conv(weight_dtype=np.int8):
+    """A Conv whose input and per-output-channel weight are dequantized, as onnxruntime's
+    quantizer writes it, and its tier arrays (the weight quantized over the whole tensor)."""
+    nodes = [
+        helper.make_node("DequantizeLinear", ["x_quantized", "x_scale"], ["x"]),
+        helper.make_node("DequantizeLinear", ["w_quantized", "w_scale", "w_zero"], ["w"], axis=0),
+        helper.make_node("Conv", ["x", "w"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x_quantized", onnx.TensorProto.INT8, None)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    weight = torch.randn(4, 2, 1, 1, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_per_channel(weight.numpy())
+    arrays = {"w_quantized": q.astype(weight_dtype), "w_scale": scale * 2, "w_zero": np.zeros(4, np.int8), "x_scale": np.float32(0.1)}
+    return helper.make_model(graph), arrays, weight
+
+
+@pytest.mark.parametrize("change", ["uint8 weight", "scale not an initializer", "weight not an initializer"])
+def test_only_an_int8_weight_with_its_scale_in_the_tier_becomes_a_shared_slice(change):
+    from nefl_zoo.export.nested import SharedTensors, _int8_slices
+    from nefl_zoo.runtime.nested import Slice
+
+    fp32 = {"w": (Slice("w", "conv.weight", (None,) * 4), {})}
+    model, arrays, weight = int8_conv()
+    (cut, tier), = _int8_slices(model, arrays, fp32, {"w": weight.numpy()}, SharedTensors("int8", {"conv.weight": weight})).values()
+    assert (cut, tier) == (Slice("w_quantized", "conv.weight", (None,) * 4), {})
+    np.testing.assert_array_equal(arrays["w_scale"], quantize_per_channel(weight.numpy())[1])  # the shared scale
+    model, arrays, weight = int8_conv(np.uint8 if change == "uint8 weight" else np.int8)
+    arrays.pop({"scale not an initializer": "w_scale", "weight not an initializer": "w_quantized"}.get(change), None)
+    before = dict(arrays)
+    assert _int8_slices(model, arrays, fp32, {"w": weight.numpy()}, SharedTensors("int8", {"conv.weight": weight})) == {}
+    assert arrays.keys() == before.keys() and all(arrays[k] is v for k, v in before.items())  # kept as the tier's literals
+
+
 def edit_tier_file(folder, entry_label, edit):
     """Rewrite an entry's per-tier file with ``edit(arrays, metadata)`` and re-hash it, as an
     attacker or a buggy exporter that also fixes the manifest would."""
