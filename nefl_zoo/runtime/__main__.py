@@ -37,7 +37,7 @@ def _int_list(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m nefl_zoo.runtime", description="The torch-free tier runtime's commands.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True)  # its subparsers are _Parsers too
     bench = commands.add_parser("bench", help="time every tier on this device and write its latency table")
     bench.add_argument("package", help="an export folder or its manifest.json")
     bench.add_argument("--batch", type=_int_list, default=[1], help="comma-separated batch sizes (default: 1)")
