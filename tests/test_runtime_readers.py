@@ -203,6 +203,33 @@ def test_external_data_is_found_in_every_place_a_tensor_can_be():
     assert external_tensors(model_with([], [inside]).SerializeToString()) == []
 
 
+@pytest.mark.parametrize("count, more", [(1, ""), (2, " (and 1 more)"), (3, " (and 2 more)")])
+def test_a_model_with_external_data_is_refused_naming_the_first_tensor_and_the_count(count, more):
+    from nefl_zoo.manifest import ManifestError
+    from nefl_zoo.runtime.session import check_self_contained
+
+    model = model_with([], [external(f"w{i}") for i in range(count)]).SerializeToString()
+    with pytest.raises(ManifestError) as refused:
+        check_self_contained(model, "m.onnx")
+    assert str(refused.value) == f"m.onnx: tensor w0{more} is stored as external data, which no hash covers (refused; export self-contained files)"
+    check_self_contained(model_with([], []).SerializeToString(), "m.onnx")  # self-contained
+    check_self_contained(b"\xff not protobuf", "m.onnx")  # left to onnxruntime's own error
+
+
+def test_a_session_uses_the_providers_it_is_given():
+    import onnxruntime as ort
+
+    from nefl_zoo.runtime.session import session_from_bytes
+
+    providers = tuple(ort.get_available_providers())  # this build's, CPU last; without a list onnxruntime takes CPU only
+    if len(providers) < 2:
+        pytest.skip("this onnxruntime build has no provider besides the CPU's")
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", 1, [1])],
+                              [helper.make_tensor_value_info("y", 1, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    assert session_from_bytes(model, "m.onnx", providers).get_providers() == list(providers)
+
+
 def test_external_data_is_found_whatever_the_field_order_and_unknown_fields():
     tensor = external("w").SerializeToString()
     unknown = b"\xf8\x06\x01"  # field 111, varint 1: skipped like any unknown field
