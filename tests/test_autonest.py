@@ -86,6 +86,27 @@ def test_a_slim_tier_is_the_global_model_with_the_removed_channels_and_blocks_ze
     assert zeroed_parity(compiled, "narrow", torch.randn(2, *compiled.input_size)) < 1e-5
 
 
+@pytest.mark.parametrize("statistic", ["running_mean", "running_var"])
+def test_the_parity_check_catches_running_statistics_in_the_wrong_channels(resnet, monkeypatch, statistic):
+    """The check randomises the tier's BatchNorm statistics, so statistics that the slice map
+    places in the wrong channels of the global model (here: the kept ones, reversed) show."""
+    from nefl_zoo.nest.net import AutoNestedNet
+    from nefl_zoo.slim.slicemap import region_key
+
+    compiled, _, _ = resnet
+    place = AutoNestedNet.slice_index
+
+    def reversed_statistics(self, key, slim_shape, full_shape):
+        index = place(self, key, slim_shape, full_shape)
+        if key.endswith(statistic) and tuple(slim_shape) != tuple(full_shape):
+            return (torch.arange(full_shape[0])[region_key(index)].flip(0),)
+        return index
+
+    x = torch.randn(2, *compiled.input_size)
+    monkeypatch.setattr(AutoNestedNet, "slice_index", reversed_statistics)
+    assert zeroed_parity(compiled, "narrow", x) > 1e-2
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("zoo, auto, args", [
     ("resnet18", "torchvision:resnet18", dict(stem="imagenet", gamma_w=0.25)),
