@@ -53,7 +53,8 @@ def test_the_analysis_at_nest_serves_every_tier(monkeypatch):
     monkeypatch.setattr(plan, "make_plan", lambda *args, make=plan.make_plan: analysed.append(args[1:]) or make(*args))
     name = nest(TwoWords(), (1, 2, 4, 4))
     assert analysed == [(2, 4)]  # analysed by nest itself: a module that cannot be nested is refused there
-    create_model(name), create_model(name, gamma_w=0.5)
+    create_model(name)
+    create_model(name, gamma_w=0.5)
     assert analysed == [(2, 4)]
 
 
