@@ -13,6 +13,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,flower]'
 	touch $(STAMP)
 
+# The JavaScript side (web/: onnxruntime-node and onnxruntime-web from the lockfile; the
+# postinstall's CUDA download skipped) and Debian's Chromium for the browser test (Playwright
+# drives it through executable_path; its own browser download is never used).
+WEB_STAMP := web/node_modules/.installed
+CHROMIUM := /usr/lib/chromium/chromium
+
+$(WEB_STAMP): web/package-lock.json
+	cd web && ONNXRUNTIME_NODE_INSTALL=skip npm ci --no-audit --no-fund --loglevel=error
+	touch $(WEB_STAMP)
+
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
 demo: $(STAMP)
 	$(BIN)/nefl-zoo build resnet110 --gamma 0.2
 	$(BIN)/nefl-zoo profile resnet110/nefl-wd-aligned
@@ -21,7 +34,7 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo bench-tiers exports/demo --batch 1
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
-test: $(STAMP)
+test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # Mutation testing of the core (TESTING.md): each module of [tool.nefl-zoo.mutation] in

@@ -147,9 +147,11 @@ def export(
         )
     console().print(table)
     if manifest.format == "nested":
-        for precision, shared in manifest.shared.items():
-            own = sum(t.tensors.bytes + (out / t.file).stat().st_size for t in manifest.tiers if t.precision == precision)
-            typer.echo(f"nested {precision}: {shared.bytes + own:,} bytes for every tier ({shared.file} {shared.bytes:,} + {own:,} per tier)")
+        for file in dict.fromkeys(t.file for t in manifest.tiers):
+            entries = [t for t in manifest.tiers if t.file == file]
+            size, full = (out / file).stat().st_size, max(entries, key=lambda t: t.params)
+            typer.echo(f"nested {entries[0].precision}: {file}, {size:,} bytes for {len(entries)} tiers "
+                       f"({size / (full.weights_mb * 2**20):.3f}x the full tier's own file); choose one with its int64 input 'tier'")
     typer.echo(f"wrote {out / 'manifest.json'}")
 
 

@@ -4,17 +4,14 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 3 (every field required unless marked nullable or defaulted; every number
-finite); versions 2 (before nested packages) and 1 (before precisions, every entry FP32) are
-read as well::
+Schema version 4 (every field required unless marked nullable or defaulted; every number
+finite); versions 3, 2 (before nested packages) and 1 (before precisions, every entry FP32)
+are read as well, except version 3's nested packages, which are refused (re-export)::
 
-    schema_version   3 (1 and 2 are still read)
+    schema_version   4 (1, 2 and 3 are still read)
     format           "files" (default: one self-contained .onnx file per entry) or "nested"
-                     (one package: the shared tensors once per precision, and per entry a
-                     weights-free graph plus its per-tier tensors and slice map; see
-                     nefl_zoo.runtime.nested)
-    shared           nested only: {precision: {file, sha256, bytes}}, the global model's
-                     shared tensors at that precision (a .safetensors file)
+                     (one standard .onnx file per precision holding every tier, chosen by its
+                     int64 ``tier`` input; see nefl_zoo.runtime.nested)
     model            zoo model name; model_args: its create_model kwargs
     source           what was exported (spec file or run directory)
     created_by       "nefl-zoo VERSION"
@@ -27,8 +24,8 @@ read as well::
     class_names      list (nullable)
     tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
                      "fp16"; default fp32), file (relative to the manifest; nested: the
-                     weights-free graph), sha256, tensors (nested only: {file, sha256,
-                     bytes} of its per-tier tensors and slice map),
+                     nested model of its precision, shared by its entries), sha256, index
+                     (nested only: the entry's ``tier`` input value, 0 .. T-1 per file),
                      params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
                      gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
                      (nullable: what accuracy was measured on; null = the source run's
@@ -40,8 +37,7 @@ read as well::
                      vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
                      max_abs_diff, relative_error} against the tier's FP32 file),
                      calibration (nullable; INT8: {method, images, source}),
-                     weights_mb (the self-contained model's bytes / 2**20: what a session
-                     holds), activation_mb_per_sample,
+                     weights_mb (the tier's own self-contained model's bytes / 2**20), activation_mb_per_sample,
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
                      cpu_count, onnxruntime, provider}}
@@ -65,8 +61,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: before precisions (every entry FP32); 2: before nested packages
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1: before precisions (every entry FP32); 2: before nested packages; 3: packages
 MANIFEST_NAME = "manifest.json"
 Precision = Literal["fp32", "int8", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -167,7 +163,7 @@ class Calibration(_Strict):
 
 
 class PackageFile(_Strict):
-    """One file of a nested package, next to the manifest."""
+    """One file of an export, next to the manifest."""
 
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(onnx|safetensors)$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -181,7 +177,7 @@ class TierEntry(_Strict):
     precision: Precision = "fp32"
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    tensors: PackageFile | None = Field(None, description="nested only: the per-tier tensors and slice map")
+    index: Count | None = Field(None, description="nested only: the tier input value that selects this entry")
     params: Count
     params_ratio: NonNegative
     macs: Count
@@ -218,9 +214,8 @@ class TierEntry(_Strict):
 class Manifest(_Strict):
     """All tiers of one exported model."""
 
-    schema_version: Literal[1, 2, 3]
+    schema_version: Literal[1, 2, 3, 4]
     format: Format = "files"
-    shared: dict[Precision, PackageFile] | None = Field(None, description="nested only: shared tensors per precision")
     model: str
     model_args: dict[str, Any]
     source: str
@@ -257,26 +252,26 @@ class Manifest(_Strict):
         return self
 
     def _check_format(self) -> None:
-        """A nested manifest (version 3) names its shared file per precision and every
-        entry's tensors; a files manifest names neither."""
+        """A nested manifest (version 4) gives every entry its index into the one file of
+        its precision, 0 .. T-1; a files manifest gives none."""
         nested = self.format == "nested"
-        if nested and self.schema_version < 3:
-            raise field_error("format", f"nested packages need schema version 3, got {self.schema_version}")
-        if nested != (self.shared is not None):
-            raise field_error("shared", "required for format nested" if nested else "only for format nested")
+        if nested and self.schema_version < 4:
+            raise field_error("format", f"nested models need schema version 4, got {self.schema_version}")
+        files: dict[str, str] = {}
+        indices: dict[str, list[int]] = {}
         for t, entry in enumerate(self.tiers):
-            if nested != (entry.tensors is not None):
-                raise field_error(f"tiers[{t}].tensors", "required for format nested" if nested else "only for format nested")
-            if nested and entry.precision not in self.shared:
-                raise field_error(f"tiers[{t}].precision", f"{entry.precision}: no shared tensors for it (shared has {', '.join(self.shared)})")
-        if not nested:
-            return
-        files = [e.file for e in self.tiers] + [e.tensors.file for e in self.tiers if e.tensors] + [s.file for s in (self.shared or {}).values()]
-        seen: set[str] = set()
-        for name in files:
-            if name in seen or name == MANIFEST_NAME:
-                raise field_error("tiers", f"file {name} is named twice; every entry needs files of its own")
-            seen.add(name)
+            if nested != (entry.index is not None):
+                raise field_error(f"tiers[{t}].index", "required for format nested" if nested else "only for format nested")
+            if not nested:
+                continue
+            if files.setdefault(entry.precision, entry.file) != entry.file:
+                raise field_error(f"tiers[{t}].file", f"{entry.file}, but the {entry.precision} entries are in {files[entry.precision]}")
+            indices.setdefault(entry.precision, []).append(entry.index)
+        if len(set(files.values())) != len(files) or MANIFEST_NAME in files.values():
+            raise field_error("tiers", "each precision needs a nested file of its own")
+        for precision, found in indices.items():
+            if sorted(found) != list(range(len(found))):
+                raise field_error("tiers", f"the {precision} entries' indices are {sorted(found)}; expected 0 .. {len(found) - 1}")
 
     def tier(self, name: str, precision: str | None = None) -> TierEntry:
         """The entry of tier ``name`` at ``precision``; without one, the entry labelled
@@ -310,6 +305,11 @@ def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
             source,
             "schema_version",
             f"unsupported version {version!r} (this nefl-zoo reads {readable}; re-export or upgrade nefl-zoo)",
+        )
+    if version == 3 and data.get("format") == "nested":
+        raise ManifestError(
+            source, "format", "a schema 3 nested package (graph and tensors files), which this nefl-zoo no longer "
+            "reads; re-export it (nefl-zoo export SOURCE --out DIR) to get one standard nested .onnx file",
         )
     try:
         return Manifest.model_validate(data)

@@ -1,9 +1,10 @@
-"""Nested packages: every tier from one copy of the shared tensors, checked like tier files.
+"""The nested model: one standard ONNX file per precision holding every tier, checked against
+the per-tier files.
 
 One source (a ResNet20 with trained-looking BatchNorm statistics and step sizes, three tiers:
 a narrow one with skipped blocks, a middle one and the full model) is exported twice, as
-per-tier files and as a nested package, at FP32, INT8 and FP16. The per-tier files are the
-reference the package is held to.
+per-tier files and as nested models, at FP32, INT8 and FP16. The per-tier files are the
+reference the nested models are held to.
 """
 
 import collections
@@ -19,46 +20,19 @@ import torch
 from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
-from nefl_zoo.export import ExportSource, export_tiers
-from nefl_zoo.export.nested import quantize_per_channel
+from nefl_zoo.export import ExportError, ExportSource, export_tiers
+from nefl_zoo.export.nested import Slice, quantize_per_channel
 from nefl_zoo.manifest import ManifestError, file_sha256, load_manifest, parse_manifest
 from nefl_zoo.runtime import Deadline, TierRuntime
-from nefl_zoo.runtime.arrays import parse_safetensors
-from nefl_zoo.runtime.nested import SLICES_KEY, materialize, parse_tier_file
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 from nefl_zoo_cli.app import app
 
 from .support.device import bench
+from .support.exports import SPEC, trained_looking_state
 
-SPEC = {
-    "model": "resnet20",
-    "model_args": {"num_classes": 10, "img_size": 16},
-    "inconsistent": ["steps", "norm"],
-    "tiers": [
-        {"name": "small", "gamma_w": 0.25, "steps": [[1, 0, 0.5], [1, 0.7, 0], [1, 0, 1]]},
-        {"name": "mid", "gamma_w": 0.5},
-        {"name": "full"},
-    ],
-}
 PRECISIONS = ["fp32", "int8", "fp16"]
-
-
-def trained_looking_state(compiled):
-    """Global state whose norms are not the identity and whose step sizes are not 1, so that
-    folding, per-tier tensors and slices all matter (negative BN scales included)."""
-    generator = torch.Generator().manual_seed(0)
-    state = compiled.init_global_state()
-    for key, value in state.items():
-        if value.dtype != torch.float32:
-            continue
-        if "running_var" in key:
-            value.copy_(torch.rand(value.shape, generator=generator) + 0.5)
-        elif ".bn" in key or "downsample.1" in key:
-            value.copy_(torch.randn(value.shape, generator=generator) * 0.5 + (1.0 if key.endswith("weight") else 0.0))
-        elif "step" in key:
-            value.mul_(0.8)
-    return state
+SPEC = {**SPEC, "model_args": {"num_classes": 10, "img_size": 16}}  # three input channels
 
 
 @pytest.fixture(scope="module")
@@ -84,84 +58,139 @@ def images(compiled, n=16, seed=1):
     return np.random.default_rng(seed).standard_normal((n, *compiled.input_size)).astype(np.float32)
 
 
-def test_the_package_holds_each_shared_tensor_once_per_precision(exports):
+def branch(model: onnx.ModelProto, index: int) -> onnx.GraphProto:
+    """The ``If`` branch of tier ``index`` (the nested model's subgraph ``tiers[i:i+1]``)."""
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        if graph.name == f"tiers[{index}:{index + 1}]":
+            return graph
+        graphs.extend(a.g for node in graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+    raise KeyError(index)
+
+
+def rehash(folder, file):
+    """Record ``file``'s new sha256 in the manifest, as an attacker or a buggy exporter would."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest["tiers"]:
+        if entry["file"] == file:
+            entry["sha256"] = file_sha256(folder / file)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_one_standard_file_per_precision_holds_each_shared_tensor_once(exports):
     compiled, state, files, nested = exports
     manifest = load_manifest(nested)
-    assert manifest.format == "nested" and manifest.schema_version == 3 and set(manifest.shared) == set(PRECISIONS)
-    shared = parse_safetensors((nested / manifest.shared["fp32"].file).read_bytes())[0]
-    # every shared (consistent) weight of the global model, at full size, bit for bit
-    for key, array in shared.items():
-        np.testing.assert_array_equal(array, state[key].numpy())
-    assert {"conv1.weight", "layer3.2.conv2.weight", "fc.weight"} <= set(shared)
-    assert not any("@" in key for key in shared)  # per-tier tensors are never shared
-    package_bytes = sum(f.stat().st_size for f in nested.iterdir() if ".fp32." in f.name)  # shared, graphs, tensors
-    files_bytes = sum((files / t.file).stat().st_size for t in load_manifest(files).tiers if t.precision == "fp32")
-    full_file = (files / "full.onnx").stat().st_size
-    assert package_bytes <= 1.15 * full_file < files_bytes
-    int8 = parse_safetensors((nested / manifest.shared["int8"].file).read_bytes())[0]
-    assert all(a.dtype == np.int8 for a in int8.values())
+    assert manifest.format == "nested" and manifest.schema_version == 4
+    assert sorted(p.name for p in nested.iterdir()) == ["manifest.json", *(f"nested.{p}.onnx" for p in sorted(PRECISIONS))]
+    model = onnx.load(nested / "nested.fp32.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    top = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for key in ("conv1.weight", "layer3.2.conv2.weight", "fc.weight"):  # the global tensors, bit for bit
+        np.testing.assert_array_equal(top[key], state[key].numpy())
+    assert not any(key.startswith("t0/") for key in top)  # a tier's own tensors stay in its branch
+    file_manifest = load_manifest(files)
+    for precision, limit in (("fp32", 1.10), ("int8", 1.25), ("fp16", 1.10)):
+        size = (nested / f"nested.{precision}.onnx").stat().st_size
+        own = [(files / t.file).stat().st_size for t in file_manifest.tiers if t.precision == precision]
+        assert size <= limit * max(own) < sum(own), precision
 
 
-def test_every_entry_gives_its_tier_files_outputs(exports):
+def test_plain_onnxruntime_runs_every_tier_through_the_documented_inputs(exports):
+    """What an app with only onnxruntime does: open the file with default options, read the tier
+    table from its metadata, feed the images and the tier's index; FP32 gives the per-tier
+    files' logits within 1e-5."""
     compiled, _, files, nested = exports
     x = images(compiled)
-    by_file, by_package = TierRuntime(files, threads=1), TierRuntime(nested, threads=1)
-    assert [t.label for t in by_file.manifest.tiers] == [t.label for t in by_package.manifest.tiers]
-    for entry in by_package.manifest.tiers:
-        reference, logits = by_file.run(x, entry.label), by_package.run(x, entry.label)
-        if entry.precision == "fp32":  # the same graph and the same floats: PyTorch's fold, redone in numpy
-            np.testing.assert_array_equal(logits, reference)
-        else:  # INT8: shared int8 weights, the tier's own activation ranges; FP16: scaled in float32
-            fp32 = by_file.run(x, entry.name)
-            assert (logits.argmax(1) == fp32.argmax(1)).mean() >= 0.9, entry.label
-            assert np.abs(logits - fp32).max() <= 0.25 * max(1, np.abs(fp32).max())
+    manifest = load_manifest(nested)
+    for precision in PRECISIONS:
+        session = ort.InferenceSession(str(nested / f"nested.{precision}.onnx"))
+        table = json.loads(session.get_modelmeta().custom_metadata_map["nefl_zoo.nested"])
+        assert table["precision"] == precision and table["tier_input"] == "tier"
+        assert [t["name"] for t in table["tiers"]] == ["small", "mid", "full"]
+        assert table["input"]["shape"] == list(compiled.input_size) and table["output"]["num_classes"] == 10
+        for tier in table["tiers"]:
+            entry = manifest.tier(tier["name"], precision)
+            assert entry.index == tier["index"] and entry.macs == tier["macs"] and entry.accuracy == tier["accuracy"]
+            logits = session.run(None, {"input": x, "tier": np.array(tier["index"], np.int64)})[0]
+            own = ort.InferenceSession(str(files / load_manifest(files).tier(entry.label).file))
+            reference = own.run(None, {"input": x})[0]
+            if precision == "fp32":
+                np.testing.assert_allclose(logits, reference, atol=1e-5, rtol=0)
+            else:  # INT8: weights shared over the full tensor, the tier's own activation ranges
+                assert (logits.argmax(1) == reference.argmax(1)).mean() >= 0.9, entry.label
+                assert np.abs(logits - reference).max() <= 0.25 * max(1, np.abs(reference).max())
+
+
+def test_a_tier_counts_from_the_end_when_negative_and_fails_in_a_named_node_outside_the_table(exports):
+    compiled, nested = exports[0], exports[3]
+    session = ort.InferenceSession(str(nested / "nested.fp32.onnx"))
+    x = images(compiled, n=2)
+    run = lambda tier: session.run(None, {"input": x, "tier": np.array(tier, np.int64)})[0]  # noqa: E731
+    np.testing.assert_array_equal(run(-1), run(2))
+    np.testing.assert_array_equal(run(-3), run(0))
+    for bad in (3, -4, 2**40):
+        with pytest.raises(Exception, match="tier_out_of_range"):
+            run(bad)
 
 
 def optimized_ops(model: bytes, tmp_path, name: str) -> collections.Counter:
-    """The operators onnxruntime runs for ``model`` after its graph optimizations."""
+    """The compute operators onnxruntime runs for ``model`` after its graph optimizations, in
+    the main graph and every subgraph (the plumbing that chooses a branch left out)."""
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
     options.log_severity_level = 3
     ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    return collections.Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+    graphs, ops = [onnx.load(options.optimized_model_filepath).graph], collections.Counter()
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            graphs.extend(a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+            if node.op_type not in ("If", "Less", "Identity") and node.name != "tier_out_of_range":
+                ops[node.op_type] += 1
+    return ops
 
 
-def test_onnxruntime_runs_the_same_kernels_for_an_entry_as_for_its_tier_file(exports, tmp_path):
-    """The same fused operators (QLinearConv, QLinearAdd, ... for INT8): what makes a package
-    entry as fast as its per-tier file. A scalar stored as a 1-element tensor, for one, keeps
-    onnxruntime from fusing an INT8 residual add."""
-    from nefl_zoo.runtime.nested import NestedPackage
-
+def test_onnxruntime_runs_the_same_kernels_for_the_tiers_as_for_their_files(exports, tmp_path):
+    """Every branch is optimised as its per-tier file is (fused, re-laid convolutions;
+    QLinearConv, QLinearAdd, ... for INT8): what makes a tier of the nested model as fast as
+    its own file. With the tiers' biases outside their branches, none of it happened."""
     _, _, files, nested = exports
-    manifest = load_manifest(nested)
-    package = NestedPackage(manifest, nested)
-    for entry in manifest.tiers:
-        own = optimized_ops(package.model_bytes(entry), tmp_path, "nested")
-        reference = optimized_ops((files / load_manifest(files).tier(entry.label).file).read_bytes(), tmp_path, "file")
-        assert own == reference, entry.label
-    assert own["QLinearConv"] > 0 or manifest.tiers[-1].precision != "int8"
+    file_manifest = load_manifest(files)
+    ops = {}
+    for precision in PRECISIONS:
+        ops[precision] = optimized_ops((nested / f"nested.{precision}.onnx").read_bytes(), tmp_path, "nested")
+        reference = collections.Counter()
+        for entry in file_manifest.tiers:
+            if entry.precision == precision:
+                reference += optimized_ops((files / entry.file).read_bytes(), tmp_path, "file")
+        if precision != "fp16":
+            assert ops[precision] == reference, precision
+    assert ops["int8"]["QLinearConv"] > 0
+    # FP16: half-precision weights cast to float32 once, at session creation: the FP32 kernels,
+    # none of the casts an FP16 file runs between its layers
+    assert ops["fp16"] == ops["fp32"] and reference["Cast"] > 0
 
 
 def test_int8_weights_are_quantized_once_over_the_full_tensor(exports):
-    """The narrow tier's int8 conv weight is the prefix of the full tensor's int8 weight, and its
+    """The narrow tier's int8 conv weight is a slice of the full tensor's int8 weight, and its
     scales are the full tensor's per-channel scales times the tier's BatchNorm factor."""
     compiled, state, _, nested = exports
-    manifest = load_manifest(nested)
-    entry = manifest.tier("small", "int8")
-    graph = onnx.load_model_from_string((nested / entry.file).read_bytes())
-    assert not graph.graph.initializer  # weights-free
-    tier = parse_tier_file((nested / entry.tensors.file).read_bytes(), "t")
-    cut = next(c for c in tier.slices if c.shared == "layer1.0.conv1.weight")
-    (dequantize,) = [n for n in graph.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == cut.name]
+    model = onnx.load(nested / "nested.int8.onnx")
     q, scale = quantize_per_channel(state["layer1.0.conv1.weight"].numpy())
-    small = compiled["small"].slice_map["layer1.0.conv1.weight"]
-    assert cut.shared == "layer1.0.conv1.weight" and cut.index == tuple((s.start or 0, s.stop) for s in small.index)
-    rows, cols = small.index[0].stop, small.index[1].stop
-    shared = parse_safetensors((nested / manifest.shared["int8"].file).read_bytes())[0]
-    np.testing.assert_array_equal(materialize(cut, shared, tier.arrays), q[:rows, :cols])
+    top = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    np.testing.assert_array_equal(top["layer1.0.conv1.weight"], q)
+    small = branch(model, 0)
+    local = {t.name: numpy_helper.to_array(t) for t in small.initializer}
+    (cut,) = [n for n in small.node if n.op_type == "Slice" and n.input[0] == "layer1.0.conv1.weight"]
+    region = compiled["small"].slice_map["layer1.0.conv1.weight"].index
+    rows, cols = region[0].stop, region[1].stop
+    assert list(local[cut.input[2]]) == [rows, cols] and list(local[cut.input[3]]) == [0, 1]
+    (weight,) = [n.output[0] for n in small.node if n.op_type == "Identity" and n.input[0] == cut.output[0]]
+    (dequantize,) = [n for n in small.node if n.op_type == "DequantizeLinear" and n.input[0] == weight]
     bn = compiled["small"].extract(state)
     factor = bn["layer1.0.bn1.weight"] * torch.rsqrt(bn["layer1.0.bn1.running_var"] + 1e-5)
-    np.testing.assert_allclose(tier.arrays[dequantize.input[1]], scale[:rows] * factor.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(local[dequantize.input[1]], scale[:rows] * factor.numpy(), rtol=1e-6)
     assert (factor < 0).any()  # a negative BatchNorm scale is carried by the dequantization scale
 
 
@@ -184,7 +213,6 @@ def int8_conv(weight_dtype=np.int8):
 @pytest.mark.parametrize("change", ["uint8 weight", "scale not an initializer", "weight not an initializer"])
 def test_only_an_int8_weight_with_its_scale_in_the_tier_becomes_a_shared_slice(change):
     from nefl_zoo.export.nested import SharedTensors, _int8_slices
-    from nefl_zoo.runtime.nested import Slice
 
     fp32 = {"w": (Slice("w", "conv.weight", (None,) * 4), {})}
     model, arrays, weight = int8_conv()
@@ -200,123 +228,82 @@ def test_only_an_int8_weight_with_its_scale_in_the_tier_becomes_a_shared_slice(c
     assert arrays.keys() == before.keys() and all(arrays[k] is v for k, v in before.items())  # kept as the tier's literals
 
 
-def edit_tier_file(folder, entry_label, edit):
-    """Rewrite an entry's per-tier file with ``edit(arrays, metadata)`` and re-hash it, as an
-    attacker or a buggy exporter that also fixes the manifest would."""
-    from safetensors.numpy import save
+def test_an_export_whose_branch_reads_another_tiers_slice_fails(exports, tmp_path, monkeypatch):
+    """The small tier's branch cutting its first weight one channel further along (a region of
+    the same shape, as a slice map mixed up between tiers would give): the export's check of
+    every branch against its tier fails, and nothing is published."""
+    from nefl_zoo.export import package as package_module
 
-    manifest = json.loads((folder / "manifest.json").read_text())
-    entry = next(t for t in manifest["tiers"] if (t["name"] if t["precision"] == "fp32" else f"{t['name']}:{t['precision']}") == entry_label)
-    path = folder / entry["tensors"]["file"]
-    arrays, metadata = parse_safetensors(path.read_bytes())
-    arrays = {k: np.array(v) for k, v in arrays.items()}
-    metadata = dict(metadata)
-    edit(arrays, metadata)
-    path.write_bytes(save(arrays, metadata=metadata))
-    entry["tensors"].update(sha256=file_sha256(path), bytes=path.stat().st_size)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    compiled, state = exports[0], exports[1]
+    real = package_module.nested_model
 
+    def shifted(entries, shared, metadata):
+        if len(entries) > 1:
+            first = entries[0].slices[0]
+            moved = Slice(first.name, first.shared, ((1, first.index[0][1] + 1), *first.index[1:]), first.scale, first.dtype, first.pad)
+            entries = [type(entries[0])(entries[0].name, entries[0].graph, entries[0].arrays, entries[0].literals,
+                                        (moved, *entries[0].slices[1:])), *entries[1:]]
+        return real(entries, shared, metadata)
 
-def test_a_shared_tensor_sliced_with_another_tiers_map_is_caught(exports, nested_copy):
-    """The small tier's slice map with the mid tier's regions: its weights no longer fit its
-    graph (a one-line error) or no longer give its outputs."""
-    compiled = exports[0]
-    mid = {c.shared: c for c in parse_tier_file((nested_copy / "mid.fp32.tensors.safetensors").read_bytes(), "m").slices}
-
-    def other_tiers_regions(arrays, metadata):
-        content = json.loads(metadata[SLICES_KEY])
-        for item in content["slices"]:
-            if item["shared"] in mid:
-                item["index"] = [list(i) if isinstance(i, tuple) else i for i in mid[item["shared"]].index]
-        metadata[SLICES_KEY] = json.dumps(content)
-
-    edit_tier_file(nested_copy, "small", other_tiers_regions)
-    with pytest.raises(ManifestError, match=r"small.fp32.graph.onnx: onnxruntime cannot load the model|scale .* is not a tier tensor"):
-        TierRuntime(nested_copy).run(images(compiled), "small")
+    monkeypatch.setattr(package_module, "nested_model", shifted)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=r"entry small: the nested model's logits differ from the tier's alone by"):
+        export_tiers(ExportSource(compiled, state, "test"), out, tiers=["small", "full"], latency_runs=1, threads=1, format="nested")
+    assert not (out / "manifest.json").exists()
 
 
-def test_a_region_moved_by_one_channel_changes_the_outputs(exports, nested_copy):
-    """The slice map is what places the weights: shifting one region by a channel (same shape,
-    re-hashed) gives other logits, so a test comparing with the tier file would catch it."""
+def test_a_rehashed_file_whose_branch_reads_another_region_gives_other_outputs(exports, nested_copy):
+    """The branch's slice bounds are what place the weights: shifting one region by a channel
+    (same shape, file re-hashed) gives other logits than the tier's own file."""
     compiled, _, files, _ = exports
-
-    def shift(arrays, metadata):
-        content = json.loads(metadata[SLICES_KEY])
-        item = next(i for i in content["slices"] if i["shared"] == "layer1.0.conv1.weight")
-        item["index"][1] = [1, item["index"][1][1] + 1]
-        metadata[SLICES_KEY] = json.dumps(content)
-
-    edit_tier_file(nested_copy, "small", shift)
+    path = nested_copy / "nested.fp32.onnx"
+    model = onnx.load(path)
+    small = branch(model, 0)
+    cut = next(n for n in small.node if n.op_type == "Slice" and n.input[0] == "layer1.0.conv1.weight")
+    for tensor in small.initializer:
+        if tensor.name in (cut.input[1], cut.input[2]):
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) + np.array([0, 1]), tensor.name))
+    path.write_bytes(model.SerializeToString())
+    rehash(nested_copy, path.name)
     x = images(compiled)
     assert np.abs(TierRuntime(nested_copy).run(x, "small") - TierRuntime(files).run(x, "small")).max() > 1e-5
+    np.testing.assert_allclose(TierRuntime(nested_copy).run(x, "mid"), TierRuntime(files).run(x, "mid"), atol=1e-5)
 
 
-def test_a_rehashed_file_that_does_not_fit_is_refused_naming_it(nested_copy):
-    """A slice of a tensor the shared file lacks names the per-tier file; a shared file that is
-    no tensors file names the shared file (both re-hashed, as a buggy exporter would)."""
-    first = {}
-
-    def unknown_shared(arrays, metadata):
-        content = json.loads(metadata[SLICES_KEY])
-        first["name"] = content["slices"][0]["name"]
-        content["slices"][0]["shared"] = "nope"
-        metadata[SLICES_KEY] = json.dumps(content)
-
-    edit_tier_file(nested_copy, "small", unknown_shared)
-    with pytest.raises(ManifestError) as refused:
-        TierRuntime(nested_copy).session("small")
-    assert str(refused.value) == (f"{nested_copy / 'small.fp32.tensors.safetensors'}: {SLICES_KEY}: {first['name']}: "
-                                  "shared tensor nope is not in the shared file")
-    shared = nested_copy / "shared.fp32.safetensors"
-    shared.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
-    manifest = json.loads((nested_copy / "manifest.json").read_text())
-    manifest["shared"]["fp32"].update(sha256=file_sha256(shared), bytes=shared.stat().st_size)
-    (nested_copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ManifestError) as refused:
-        TierRuntime(nested_copy).session("mid")
-    assert str(refused.value).startswith(f"{shared}: not a valid tensors file (") and "\n" not in str(refused.value)
-
-
-@pytest.mark.parametrize("file", ["shared.fp32.safetensors", "small.fp32.graph.onnx", "small.fp32.tensors.safetensors"])
-def test_a_tampered_package_file_is_refused_in_one_line(nested_copy, file):
-    data = bytearray((nested_copy / file).read_bytes())
+def test_a_tampered_nested_file_is_refused_in_one_line(nested_copy):
+    data = bytearray((nested_copy / "nested.fp32.onnx").read_bytes())
     data[len(data) // 2] ^= 1
-    (nested_copy / file).write_bytes(bytes(data))
+    (nested_copy / "nested.fp32.onnx").write_bytes(bytes(data))
     runtime = TierRuntime(nested_copy)
-    with pytest.raises(ManifestError, match=rf"{re.escape(file)}: sha256 \w+\.\.\. does not match the manifest's") as info:
+    with pytest.raises(ManifestError, match=r"nested.fp32.onnx: sha256 \w+\.\.\. does not match the manifest's") as info:
         runtime.session("small")
     assert "\n" not in str(info.value)
+    assert runtime.session("small:int8") is not None  # the other precisions still load
 
 
-def test_a_swapped_tier_file_is_refused(nested_copy):
-    shutil.copy(nested_copy / "mid.fp32.tensors.safetensors", nested_copy / "small.fp32.tensors.safetensors")
-    with pytest.raises(ManifestError, match=r"small.fp32.tensors.safetensors: sha256"):
-        TierRuntime(nested_copy).session("small")
-    assert TierRuntime(nested_copy).session("mid") is not None  # the others still load
-
-
-def test_package_files_must_stay_in_the_folder(nested_copy, tmp_path):
+def test_nested_files_must_stay_in_the_folder(nested_copy, tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    (nested_copy / "shared.fp32.safetensors").rename(outside / "shared.fp32.safetensors")
-    (nested_copy / "shared.fp32.safetensors").symlink_to(outside / "shared.fp32.safetensors")
-    with pytest.raises(ManifestError, match=r"shared.fp32.safetensors: resolves to .*, outside the manifest's folder"):
+    (nested_copy / "nested.fp32.onnx").rename(outside / "nested.fp32.onnx")
+    (nested_copy / "nested.fp32.onnx").symlink_to(outside / "nested.fp32.onnx")
+    with pytest.raises(ManifestError, match=r"nested.fp32.onnx: resolves to .*, outside the manifest's folder"):
         TierRuntime(nested_copy).session("full")
     manifest = json.loads((nested_copy / "manifest.json").read_text())
-    manifest["shared"]["fp32"]["file"] = "../shared.fp32.safetensors"
-    with pytest.raises(ManifestError, match=r"shared.fp32.file: String should match pattern"):
+    manifest["tiers"][0]["file"] = "../nested.fp32.onnx"
+    with pytest.raises(ManifestError, match=r"tiers\[0\].file: String should match pattern"):
         parse_manifest(manifest)
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m.pop("shared"), "shared: required for format nested"),
-        (lambda m: m.update(format="files"), "shared: only for format nested"),
-        (lambda m: m.update(schema_version=2), "format: nested packages need schema version 3, got 2"),
-        (lambda m: m["tiers"][0].pop("tensors"), r"tiers\[0\].tensors: required for format nested"),
-        (lambda m: m["shared"].pop("int8"), r"tiers\[\d+\].precision: int8: no shared tensors for it"),
-        (lambda m: m["tiers"][1]["tensors"].update(file=m["tiers"][0]["tensors"]["file"]), "is named twice"),
+        (lambda m: m["tiers"][0].pop("index"), r"tiers\[0\].index: required for format nested"),
+        (lambda m: m.update(format="files"), r"tiers\[0\].index: only for format nested"),
+        (lambda m: m.update(schema_version=2), "format: nested models need schema version 4, got 2"),
+        (lambda m: m["tiers"][0].update(index=7), "the fp32 entries' indices are"),
+        (lambda m: m["tiers"][3].update(file="nested.int8.onnx"), r"tiers\[3\].file: nested.int8.onnx, but the fp32 entries"),
+        (lambda m: [t.update(file="nested.fp32.onnx") for t in m["tiers"]], "each precision needs a nested file of its own"),
+        (lambda m: m.update(schema_version=3), "a schema 3 nested package .* re-export it"),
     ],
 )
 def test_an_inconsistent_nested_manifest_is_refused_when_read(exports, edit, message):
@@ -326,31 +313,37 @@ def test_an_inconsistent_nested_manifest_is_refused_when_read(exports, edit, mes
         parse_manifest(manifest)
 
 
-def test_a_graph_that_refers_to_external_data_is_refused_before_onnxruntime_sees_it(nested_copy, tmp_path, monkeypatch):
-    """An initializer whose data lies in ``weights.bin`` (which no hash covers) is refused in
-    one line naming the file and the tensor, whatever the working directory."""
-    path = nested_copy / "small.fp32.graph.onnx"
-    model = onnx.load_model_from_string(path.read_bytes())
+def test_a_model_without_the_tier_input_is_refused_naming_it(exports, nested_copy):
+    """A per-tier file put in the nested file's place (re-hashed) has no ``tier`` input."""
+    shutil.copy(exports[2] / "small.onnx", nested_copy / "nested.fp32.onnx")
+    rehash(nested_copy, "nested.fp32.onnx")
+    with pytest.raises(ManifestError, match="format: nested, but nested.fp32.onnx has no int64 scalar input 'tier'"):
+        TierRuntime(nested_copy).session("small")
+
+
+def test_a_model_that_refers_to_external_data_is_refused_before_onnxruntime_sees_it(nested_copy, tmp_path, monkeypatch):
+    """An initializer whose data lies in ``weights.bin`` (which no hash covers), even inside a
+    branch, is refused in one line naming the file and the tensor, whatever the working directory."""
+    path = nested_copy / "nested.fp32.onnx"
+    model = onnx.load(path)
     tensor = numpy_helper.from_array(np.zeros(2, np.float32), "planted")
     tensor.ClearField("raw_data")
     tensor.data_location = onnx.TensorProto.EXTERNAL
     tensor.external_data.add(key="location", value="weights.bin")
-    model.graph.node.append(helper.make_node("Constant", [], ["unused"], value=tensor))
+    branch(model, 1).initializer.append(tensor)
     path.write_bytes(model.SerializeToString())
-    manifest = json.loads((nested_copy / "manifest.json").read_text())
-    next(t for t in manifest["tiers"] if t["file"] == path.name)["sha256"] = file_sha256(path)
-    (nested_copy / "manifest.json").write_text(json.dumps(manifest))
+    rehash(nested_copy, path.name)
     (nested_copy / "weights.bin").write_bytes(np.zeros(2, np.float32).tobytes())
     monkeypatch.chdir(nested_copy)
-    with pytest.raises(ManifestError, match=r"small.fp32.graph.onnx: tensor planted is stored as external data, which no hash covers") as info:
+    with pytest.raises(ManifestError, match=r"nested.fp32.onnx: tensor planted is stored as external data, which no hash covers") as info:
         TierRuntime(nested_copy).session("small")
     assert "\n" not in str(info.value)
 
 
-def test_cli_select_predict_and_bench_tiers_work_on_a_package(exports, tmp_path):
+def test_cli_select_predict_and_bench_tiers_work_on_a_nested_export(exports, tmp_path):
     from PIL import Image
 
-    compiled, _, _, nested = exports
+    nested = exports[3]
     runner = CliRunner()
     chosen = runner.invoke(app, ["select", str(nested), "--max-params", "50000", "--json"])
     assert chosen.exit_code == 0, chosen.output
@@ -364,17 +357,20 @@ def test_cli_select_predict_and_bench_tiers_work_on_a_package(exports, tmp_path)
     assert {r["label"] for r in json.loads(timed.stdout)["tiers"]} == {t.label for t in load_manifest(nested).tiers}
 
 
-def test_the_device_bench_runs_a_package_without_torch(exports, tmp_path):
+def test_the_device_bench_runs_a_nested_export_without_torch(exports, tmp_path):
     done = bench(exports[3], "--batch", "1", "--runs", "1", "--warmup", "0", "--threads", "1", "--out", tmp_path / "d.json")
     assert done.returncode == 0 and "BLOCKED" not in done.stderr, done.stderr
     table = json.loads((tmp_path / "d.json").read_text())
-    assert {e["label"] for e in table["entries"]} == {t.label for t in load_manifest(exports[3]).tiers}
+    manifest = load_manifest(exports[3])
+    assert {(e["label"], e["sha256"]) for e in table["entries"]} == {(t.label, t.sha256) for t in manifest.tiers}
 
 
-def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_deadline(exports):
+def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_deadline(exports, monkeypatch):
     """A fake clock makes every entry take its given latency times a load: under a 4x load the
     runtime leaves the most accurate entry on the second slow request and then keeps within the
     deadline."""
+    from nefl_zoo.runtime import nested as nested_module
+
     nested = exports[3]
     manifest = load_manifest(nested)
     base = {t.label: 0.5 + t.macs_ratio * 4 for t in manifest.tiers}  # ms, growing with the MACs
@@ -382,13 +378,12 @@ def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_dead
     runtime = TierRuntime(nested, policy=Deadline(ms=6.0, probe_after_s=1.0), latencies=base, precisions=["fp32"],
                           clock=lambda: now[0])
 
-    def timed_run(*args):
+    def timed_run(self, *args):
         label = runtime.adaptive.current
         now[0] += base[label] * load[0] / 1e3
         return [np.zeros((1, 10), np.float32)]
 
-    for session in runtime._sessions.values():
-        session.run = timed_run  # the clock advances as if the entry had run
+    monkeypatch.setattr(nested_module.TierSession, "run", timed_run)  # the clock advances as if the entry had run
     x = images(exports[0], n=1)
     served = []
     for request in range(60):
@@ -402,32 +397,34 @@ def test_the_adaptive_runtime_steps_down_when_its_entry_slows_and_meets_the_dead
         TierRuntime(nested).run(x, "adaptive")
 
 
-def test_a_package_that_reads_back_other_than_it_was_made_is_not_published(exports, tmp_path, monkeypatch):
-    """The staged package is read back through the runtime before it is published: a shared
-    file written with one weight changed (as a bad disk or a writer bug would) fails the
-    export, and nothing is published."""
-    from nefl_zoo.export import ExportError
+def test_an_export_that_reads_back_other_than_it_was_made_is_not_published(exports, tmp_path, monkeypatch):
+    """The staged export is read back through the runtime before it is published: a nested file
+    written with one weight changed (as a bad disk or a writer bug would) fails the export, and
+    nothing is published."""
     from nefl_zoo.export import package as package_module
 
     compiled, state = exports[0], exports[1]
-    real = package_module.shared_file
+    real = package_module.PackageWriter.finish
 
-    def one_weight_changed(shared):
-        data = bytearray(real(shared))
-        data[8 + int.from_bytes(data[:8], "little") + 3] ^= 0x40  # the first weight of the first tensor, in every tier
-        return bytes(data)
+    def one_weight_changed(self, folder, metadata):
+        written = real(self, folder, metadata)
+        model = onnx.load(folder / "nested.fp32.onnx")
+        weight = next(t for t in model.graph.initializer if t.name == "conv1.weight")
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * 2, weight.name))
+        (folder / "nested.fp32.onnx").write_bytes(model.SerializeToString())
+        return written
 
-    monkeypatch.setattr(package_module, "shared_file", one_weight_changed)
+    monkeypatch.setattr(package_module.PackageWriter, "finish", one_weight_changed)
     out = tmp_path / "out"
-    with pytest.raises(ExportError, match="the package read back gives other logits than when it was made"):
+    with pytest.raises((ExportError, ManifestError), match="sha256|read back gives other logits"):
         export_tiers(ExportSource(compiled, state, "test"), out, tiers=["small"], latency_runs=1, threads=1, format="nested")
     assert not (out / "manifest.json").exists()
 
 
 def test_padded_tiers_share_their_weights_too(exports, tmp_path):
-    """With inner channels zero-padded (``channel_align``), every FP32 and INT8 weight of the
-    tier is still a (zero-padded) slice of a shared tensor, and FP32 gives the padded tier
-    file's logits bit for bit."""
+    """With inner channels zero-padded (``channel_align``), every FP32 and INT8 conv weight of
+    the tier is still a (zero-padded) slice of a shared tensor, and FP32 gives the padded tier
+    file's logits."""
     compiled, state = exports[0], exports[1]
     x = images(compiled)
     out = {}
@@ -438,29 +435,47 @@ def test_padded_tiers_share_their_weights_too(exports, tmp_path):
                      format=layout, warn=pytest.fail)
     manifest = load_manifest(out["nested"])
     assert all(t.channel_align == 16 for t in manifest.tiers)
-    np.testing.assert_array_equal(TierRuntime(out["nested"]).run(x, "small"), TierRuntime(out["files"]).run(x, "small"))
-    for entry in manifest.tiers:
-        tier = parse_tier_file((out["nested"] / entry.tensors.file).read_bytes(), entry.label)
-        padded = [cut for cut in tier.slices if cut.pad is not None]
-        literal_weights = [n for n in tier.literals if tier.arrays[n].ndim == 4]
-        assert padded and not literal_weights, entry.label
+    np.testing.assert_allclose(TierRuntime(out["nested"]).run(x, "small"), TierRuntime(out["files"]).run(x, "small"), atol=1e-5)
+    for precision in ("fp32", "int8"):
+        graph = onnx.load(out["nested"] / f"nested.{precision}.onnx").graph  # one tier: its branch is the main graph
+        literal_weights = [t.name for t in graph.initializer if len(t.dims) == 4 and t.name.startswith("t0/") and "~" not in t.name]
+        assert [n for n in graph.node if n.op_type == "Pad"] and not literal_weights, precision
 
 
-def test_the_adaptive_runtime_runs_each_ladder_session_once_before_serving(exports, monkeypatch):
-    """A first run allocates and is slow; the runtime runs every session of the ladder once
-    when it starts, so the policy never takes that for a slowdown."""
-    import nefl_zoo.runtime.tiers as tiers_module
+def test_the_adaptive_runtime_runs_each_ladder_tier_once_before_serving(exports, monkeypatch):
+    """A first run allocates and is slow; the runtime runs every tier of the ladder once when it
+    starts, so the policy never takes that for a slowdown."""
+    from nefl_zoo.runtime import nested as nested_module
 
     runs = collections.Counter()
-    real = tiers_module.session_from_bytes
+    real = nested_module.TierSession.run
 
-    def counting(model, source, *args, **kwargs):
-        session = real(model, source, *args, **kwargs)
-        run = session.run
-        session.run = lambda *a, **k: (runs.update([source.rsplit("/", 1)[-1]]), run(*a, **k))[1]
-        return session
+    def counting(self, *args, **kwargs):
+        runs.update([self.index])
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(tiers_module, "session_from_bytes", counting)
+    monkeypatch.setattr(nested_module.TierSession, "run", counting)
     runtime = TierRuntime(exports[3], policy=Deadline(ms=1000.0), precisions=["fp32"])
-    assert set(runs) == {load_manifest(exports[3]).tier(label).file for label in runtime.adaptive.ladder}
+    manifest = load_manifest(exports[3])
+    assert set(runs) == {manifest.tier(label).index for label in runtime.adaptive.ladder}
     assert set(runs.values()) == {1}
+    assert len(runtime._sessions) == 1  # one session serves every tier
+
+
+def test_a_model_past_the_protobuf_limit_is_refused_in_one_line(exports, tmp_path, monkeypatch):
+    from nefl_zoo.export import package as package_module
+
+    monkeypatch.setattr(package_module, "MAX_TIER_BYTES", 1000)
+    compiled, state = exports[0], exports[1]
+    with pytest.raises(ExportError, match=r"the fp32 nested model is .* GiB, past ONNX's 2 GiB protobuf limit .*--format files"):
+        export_tiers(ExportSource(compiled, state, "test"), tmp_path / "out", tiers=["small"], latency_runs=1, threads=1, format="nested")
+
+
+def test_re_exporting_changes_nothing_but_the_timings(exports, tmp_path):
+    """Same source, same files: the nested model is deterministic, byte for byte."""
+    compiled, state = exports[0], exports[1]
+    calibration = np.random.default_rng(0).standard_normal((64, *compiled.input_size)).astype(np.float32)
+    source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8})
+    export_tiers(source, tmp_path, precisions=["fp32"], calibration=calibration, latency_runs=1, threads=1, format="nested")
+    assert file_sha256(tmp_path / "nested.fp32.onnx") == file_sha256(exports[3] / "nested.fp32.onnx")
+    assert re.fullmatch(r"[0-9a-f]{64}", load_manifest(tmp_path).tiers[0].sha256)

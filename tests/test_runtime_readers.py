@@ -9,8 +9,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from nefl_zoo.runtime.arrays import ArrayFileError, parse_safetensors
-from nefl_zoo.runtime.nested import Slice, materialize
-from nefl_zoo.runtime.wire import WireError, external_tensors, fields, tensor_proto, with_initializers
+from nefl_zoo.export.nested import Slice, materialize
+from nefl_zoo.runtime.wire import WireError, external_tensors, fields
 
 
 def framed(header: bytes | dict, body: bytes) -> bytes:
@@ -63,17 +63,15 @@ def test_safetensors_reader_refuses_malformed_files_in_one_line(data: bytes, mes
     assert str(error.value) == message
 
 
-def test_wire_walk_finds_external_data_anywhere_and_assembly_round_trips():
+def test_wire_walk_finds_external_data_anywhere():
     weight = numpy_helper.from_array(np.arange(3, dtype=np.float32), "w")
     graph = helper.make_graph(
         [helper.make_node("Add", ["input", "w"], ["logits"])], "g",
         [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [None, 3])],
         [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [None, 3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    assembled = onnx.load_model_from_string(with_initializers(model.SerializeToString(), {"w": np.arange(3, dtype=np.float32)}))
-    assert [t.name for t in assembled.graph.initializer] == ["w"]
-    np.testing.assert_array_equal(numpy_helper.to_array(assembled.graph.initializer[0]), np.arange(3))
-    assert external_tensors(assembled.SerializeToString()) == []
+    model.graph.initializer.append(weight)
+    assert external_tensors(model.SerializeToString()) == []
     external = onnx.TensorProto()
     external.CopyFrom(weight)
     external.ClearField("raw_data")
@@ -145,27 +143,6 @@ def test_malformed_messages_raise_one_line(data: bytes, message: str):
         list(fields(data))
     assert str(error.value) == message
     assert list(fields(key(2, 1) + bytes(8))) == [(2, 1, 0)] and list(fields(key(3, 5) + bytes(4))) == [(3, 5, 0)]
-
-
-@pytest.mark.parametrize("array", [
-    np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(-4, 4, dtype=np.int8).reshape(2, 2, 2), np.arange(300, dtype=np.uint8),
-    np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int64) * 2**40, np.array([True, False]), np.ones((1, 2), np.float16),
-    np.linspace(0, 1, 50), np.arange(12, dtype=">f4").reshape(3, 4), np.arange(12, dtype=np.float32).reshape(3, 4).T,
-    np.zeros((0, 3), np.float32),
-])
-def test_tensor_proto_is_what_onnx_reads(array: np.ndarray):
-    tensor = onnx.TensorProto()
-    tensor.ParseFromString(tensor_proto("wé", array))
-    assert tensor.name == "wé" and list(tensor.dims) == list(array.shape)
-    read = numpy_helper.to_array(tensor)
-    assert read.dtype == array.dtype.newbyteorder("=") and read.shape == array.shape
-    np.testing.assert_array_equal(read, array)
-
-
-def test_tensor_proto_refuses_a_dtype_onnx_has_no_type_for_here():
-    with pytest.raises(ValueError) as error:
-        tensor_proto("z", np.zeros(2, np.complex64))
-    assert str(error.value) == "z: dtype complex64 has no ONNX tensor type here"
 
 
 def external(name: str, by: str = "location") -> onnx.TensorProto:
@@ -248,19 +225,6 @@ def test_external_data_is_found_whatever_the_field_order_and_unknown_fields():
     for payload in (plain + b"\x68\x00", plain + b"\x70\x00", plain + b"\x70\x02"):
         graph = key(5, 2) + bytes([len(payload)]) + payload
         assert external_tensors(key(7, 2) + bytes([len(graph)]) + graph) == []
-
-
-def test_with_initializers_appends_every_array_to_the_main_graph():
-    model = model_with([], [numpy_helper.from_array(np.zeros(1, np.float32), "first")])
-    arrays = {"a": np.arange(2, dtype=np.int64), "b": np.linspace(0, 1, 200).astype(np.float32)}  # b: an 800-byte payload
-    out = onnx.load_model_from_string(with_initializers(model.SerializeToString(), arrays))
-    assert [t.name for t in out.graph.initializer] == ["first", "a", "b"]
-    for tensor in out.graph.initializer[1:]:
-        np.testing.assert_array_equal(numpy_helper.to_array(tensor), arrays[tensor.name])
-    appended = with_initializers(b"", arrays)
-    assert [(n, t) for n, t, _ in fields(appended)] == [(7, 2)]
-    graph = next(v for _, _, v in fields(appended))
-    assert [(n, t, bytes(v)) for n, t, v in fields(graph)] == [(5, 2, tensor_proto(k, a)) for k, a in arrays.items()]
 
 
 def test_an_unknown_field_is_not_read_as_a_tensor():

@@ -1,9 +1,9 @@
-"""Write a nested package: each tier's graph without weights, its slice of the shared tensors.
+"""Trace each tier's weights back to the shared tensors of the global model.
 
 For one tier at one precision, :func:`nested_entry` takes the tier's verified self-contained
 model (the per-tier file, tensor names kept) and finds, for every initializer, the shared
-global tensor it is a slice of, checked element by element (:func:`~nefl_zoo.runtime.nested.
-materialize` must give exactly the file's array for FP32 and INT8 weights); what is no such
+global tensor it is a slice of, checked element by element (:func:`materialize` must give
+exactly the file's array for FP32 and INT8 weights); what is no such
 slice is kept with the tier as a literal (step sizes, folded biases, quantization scales, and
 anything the rules below do not prove). The rules:
 
@@ -15,9 +15,14 @@ anything the rules below do not prove). The rules:
   output channel over the full global tensor (symmetric, zero point 0); its dequantization
   scale becomes the shared scale times the folding factor, and the layer's int32 bias is
   re-quantized for it. Activation ranges stay the tier's own calibration.
-* FP16: the shared tensor in half precision, scaled by the factor in float32 and cast back.
+* FP16: the tier's FP32 graph over weights stored in half precision: the shared tensor in half
+  precision, scaled by the factor in float32 and rounded to half precision, then cast to float32
+  for the graph (the tier's own tensors likewise). onnxruntime's CPU provider computes an FP16
+  graph in float32 too, but inside an ``If`` branch it leaves the casts it inserts for
+  half-precision weights unfolded, which made the FP16 tiers 1.4-2.3x slower than their files.
 
-:class:`SharedTensors` collects, per precision, the shared tensors some tier uses.
+:class:`SharedTensors` collects, per precision, the shared tensors some tier uses;
+:mod:`.nested_model` turns the entries into one ONNX model.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from ..runtime.nested import Slice, materialize, tier_metadata
 from ..slim.slicemap import SliceMap
 from .quantize import compact
 
@@ -97,11 +101,69 @@ class SharedTensors:
 
 
 @dataclass(frozen=True)
-class NestedEntry:
-    """One entry of the package: its graph (no initializers) and its per-tier tensors file."""
+class Slice:
+    """How one initializer is cut from a shared tensor: per dimension of ``shared`` a
+    ``(start, stop)`` range, the name of an int64 index tensor of the tier, or ``None`` (all);
+    then optionally times the tier tensor ``scale`` along axis 0, cast to ``dtype`` and
+    zero-padded to the shape ``pad``."""
 
-    graph: bytes
-    tensors: bytes
+    name: str
+    shared: str
+    index: tuple
+    scale: str | None = None
+    dtype: str | None = None
+    pad: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class NestedEntry:
+    """One tier at one precision: its graph (no initializers), its own tensors (``literals``
+    are initializers; index tensors and folding factors serve the slices) and its slices."""
+
+    name: str
+    graph: onnx.ModelProto
+    arrays: dict[str, np.ndarray]
+    literals: tuple[str, ...]
+    slices: tuple[Slice, ...]
+    half_weights: bool = False  # FP16: weights stored in half precision, cast to float32 in the branch
+
+
+def materialize(cut: Slice, shared: Mapping[str, np.ndarray], tier: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The initializer ``cut`` describes; ``ValueError`` (one line) when its shared tensor,
+    index, scale or pad does not fit."""
+    if cut.shared not in shared:
+        raise ValueError(f"{cut.name}: shared tensor {cut.shared} is not in the shared file")
+    array = shared[cut.shared]
+    if len(cut.index) != array.ndim:
+        raise ValueError(f"{cut.name}: {len(cut.index)} index dimensions for {cut.shared} of shape {list(array.shape)}")
+    for d, i in enumerate(cut.index):
+        if i is None:
+            continue
+        if isinstance(i, tuple):
+            if i[1] > array.shape[d]:
+                raise ValueError(f"{cut.name}: index[{d}] {list(i)} runs past {cut.shared}'s {array.shape[d]}")
+            array = array[(slice(None),) * d + (slice(*i),)]
+            continue
+        positions = tier.get(i)
+        if positions is None or positions.ndim != 1 or positions.dtype != np.int64:
+            raise ValueError(f"{cut.name}: index[{d}] {i} is not a 1-D int64 tensor of the tier file")
+        if positions.size and (positions.min() < 0 or positions.max() >= array.shape[d]):
+            raise ValueError(f"{cut.name}: index[{d}] {i} points outside {cut.shared}'s {array.shape[d]}")
+        array = np.take(array, positions, axis=d)
+    if cut.scale is not None:
+        factor = tier.get(cut.scale)
+        if factor is None or factor.shape != (array.shape[0],):
+            raise ValueError(f"{cut.name}: scale {cut.scale} is not a tier tensor of {array.shape[0]} values")
+        array = array.astype(np.float32, copy=False) * factor.astype(np.float32).reshape(-1, *[1] * (array.ndim - 1))
+    if cut.dtype is not None:
+        array = array.astype(cut.dtype, copy=False)
+    if cut.pad is not None:
+        if len(cut.pad) != array.ndim or any(p < n for p, n in zip(cut.pad, array.shape)):
+            raise ValueError(f"{cut.name}: pad {list(cut.pad)} is smaller than its slice {list(array.shape)}")
+        padded = np.zeros(cut.pad, array.dtype)
+        padded[tuple(slice(0, n) for n in array.shape)] = array
+        array = padded
+    return np.asarray(array, order="C")  # (ascontiguousarray would make a scalar 1-D)
 
 
 def _region(slice_map: SliceMap, name: str) -> tuple[str, tuple, dict[str, np.ndarray]] | None:
@@ -204,13 +266,11 @@ def _requantized_bias(node, producers, arrays, fp32_arrays, x_dq, weight_scale) 
     return {b_name: np.round(bias.astype(np.float64) / scale).astype(np.int32), b_scale_name: scale}
 
 
-def nested_entry(model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[str, torch.Tensor],
+def nested_entry(name: str, model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[str, torch.Tensor],
                  shared: SharedTensors, fp32_shared: SharedTensors, fp32_model: onnx.ModelProto) -> NestedEntry:
-    """The package files of one tier at ``shared.precision`` from its self-contained
+    """The nested entry of tier ``name`` at ``shared.precision`` from its self-contained
     ``model`` (tensor names as exported); INT8 and FP16 weights are traced back through the
     tier's ``fp32_model`` and the FP32 shared tensors ``fp32_shared``."""
-    from safetensors.numpy import save
-
     arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     fp32_arrays = {t.name: numpy_helper.to_array(t) for t in fp32_model.graph.initializer}
     fp32 = {n: found for n, a in fp32_arrays.items() if (found := _fp32_slice(n, a, slice_map, factors, fp32_shared))}
@@ -218,29 +278,21 @@ def nested_entry(model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[s
         slices = fp32
     elif shared.precision == "int8":
         slices = _int8_slices(model, arrays, fp32, fp32_arrays, shared)
-    else:
-        slices = {}
-        for name, (cut, tier) in fp32.items():
-            if name in arrays and arrays[name].dtype == np.float16:
-                shared.use(cut.shared)
-                slices[name] = (dataclasses.replace(cut, dtype="float16"), tier)
+    else:  # FP16: the FP32 graph over half-precision weights (see the module docstring)
+        model, slices = fp32_model, {}
+        arrays = {n: a.astype(np.float16) if a.dtype == np.float32 else a for n, a in fp32_arrays.items()}
+        for initializer, (cut, tier) in fp32.items():
+            shared.use(cut.shared)
+            slices[initializer] = (dataclasses.replace(cut, dtype="float16"), tier)
     graph = onnx.ModelProto()
     graph.CopyFrom(model)
     names = [t.name for t in graph.graph.initializer]
     compact(graph)  # short tensor names, as in a per-tier file; initializers keep their order
     short = dict(zip(names, (t.name for t in graph.graph.initializer)))
     del graph.graph.initializer[:]
-    literals = [short[n] for n in arrays if n not in slices]
+    literals = tuple(short[n] for n in arrays if n not in slices)
     tier_arrays = {short[n]: np.asarray(a, order="C") for n, a in arrays.items() if n not in slices}
     for _, extra in slices.values():
         tier_arrays.update(extra)
-    cuts = [dataclasses.replace(cut, name=short[cut.name]) for cut, _ in slices.values()]
-    tensors = save(tier_arrays, metadata=tier_metadata(literals, cuts))
-    return NestedEntry(graph.SerializeToString(), tensors)
-
-
-def shared_file(shared: SharedTensors) -> bytes:
-    """The shared tensors file of one precision."""
-    from safetensors.numpy import save
-
-    return save({k: np.asarray(v, order="C") for k, v in sorted(shared.arrays.items())})
+    cuts = tuple(dataclasses.replace(cut, name=short[cut.name]) for cut, _ in slices.values())
+    return NestedEntry(name, graph, tier_arrays, literals, cuts, half_weights=shared.precision == "fp16")

@@ -93,10 +93,8 @@ def remove_stale_staging(out_dir: Path) -> list[Path]:
 
 
 def manifest_files(manifest: Manifest) -> list[str]:
-    """Every file ``manifest`` names: each entry's file (and, nested, its tensors file) and
-    the shared files of a nested package."""
-    tensors = [e.tensors.file for e in manifest.tiers if e.tensors is not None]
-    return [*(e.file for e in manifest.tiers), *tensors, *(s.file for s in (manifest.shared or {}).values())]
+    """Every file ``manifest`` names, once each (a nested model serves several entries)."""
+    return list(dict.fromkeys(e.file for e in manifest.tiers))
 
 
 def publish(folder: Path, out_dir: Path, manifest: Manifest) -> None:

@@ -39,6 +39,8 @@ from .onnx_file import (
 )
 from .data import ExportImages, export_images
 from .precisions import PrecisionFile, accuracy, precision_filename, precision_files, time_files
+from ..runtime.nested import TierSession
+from .nested_model import nested_table
 from .package import PackageWriter
 from .sources import ExportSource
 from .staging import publish, staging
@@ -224,8 +226,17 @@ def export_tiers(
     generator = torch.Generator().manual_seed(0)
     fixed_batch = None if batch_dynamic else batch
     package = PackageWriter(source.global_state, precisions, threads, fixed_batch) if format == "nested" else None
+    normalization = dataset_normalization(dataset, compiled.input_size[0]) if dataset else None
+    input_spec = InputSpec(
+        name=INPUT_NAME,
+        shape=list(compiled.input_size),
+        batch=fixed_batch,
+        normalization=Normalization(mean=list(normalization[0]), std=list(normalization[1])) if normalization else None,
+        dataset=dataset,
+    )
+    class_names = list(CLASS_NAMES[dataset]) if dataset in CLASS_NAMES else None
     with staging(out_dir) as folder:
-        entries = []
+        made = []  # (file, what its tier's export measured, its accuracy)
         for name in names:
             module = compiled[name].load(source.global_state).eval()
             exported = _export_tier(name, module, compiled.input_size, folder / files[name], options, generator)
@@ -234,73 +245,83 @@ def export_tiers(
                 name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn, keep_names=package is not None
             )
             if package is not None:
-                shipped = package.add(name, files[name], module, compiled[name].slice_map, shipped, exported.inputs, images, folder, warn)
+                shipped = package.add(name, module, compiled[name].slice_map, shipped, exported.inputs, images, warn)
             shipped = [f for f in shipped if f.precision in precisions]
             latencies = {"fp32": exported.latency.median_ms}
-            if package is not None or any(f.precision != "fp32" for f in shipped):  # the sessions shipped, in alternation
-                feed = torch.randn(batch, *compiled.input_size, generator=generator).numpy()
-                latencies = time_files(shipped, feed, latency_runs)
-            prof = profiles[name]
+            if package is None and any(f.precision != "fp32" for f in shipped):  # the files shipped, in alternation
+                latencies = time_files(shipped, torch.randn(batch, *compiled.input_size, generator=generator).numpy(), latency_runs)
             for file in shipped:
                 measured = accuracy(file, images.labels if images else None)
-                entries.append(
-                    TierEntry(
-                        name=name,
-                        precision=file.precision,
-                        file=file.file,
-                        sha256=file.sha256,
-                        tensors=file.tensors,
-                        params=prof.params,
-                        params_ratio=prof.params_ratio,
-                        macs=prof.macs,
-                        macs_ratio=prof.macs_ratio,
-                        gamma=prof.gamma,
-                        gamma_w=prof.gamma_w,
-                        blocks_per_stage=prof.blocks_per_stage,
-                        accuracy=measured if measured is not None or file.precision != "fp32" else source.accuracy.get(name),
-                        accuracy_on=images.test_source if measured is not None else None,
-                        batchnorm_folded=exported.batchnorm_folded,
-                        channel_align=exported.channel_align,
-                        channel_align_ms=exported.channel_align_ms,
-                        max_abs_diff=file.agreement.max_abs_diff if file.agreement else exported.max_abs_diff,
-                        vs_fp32=file.agreement,
-                        calibration=file.calibration,
-                        weights_mb=(file.model_bytes or (folder / file.file).stat().st_size) / 2**20,
-                        activation_mb_per_sample=file.activation_bytes_per_sample / 2**20,
-                        latency=exported.latency.model_copy(update={"median_ms": latencies[file.precision]}),
-                    )
-                )
-        if not entries:
+                made.append((name, file, exported, latencies.get(file.precision), measured))
+        if not made:
             raise ExportError("no file passed its check against FP32; nothing to ship")
-        normalization = dataset_normalization(dataset, compiled.input_size[0]) if dataset else None
-        layout = {}
-        if package is not None:
-            layout = {"format": "nested", "shared": package.finish(folder, list(dict.fromkeys(e.precision for e in entries)))}
+        output_spec = OutputSpec(name=OUTPUT_NAME, num_classes=made[-1][2].num_classes)
+
+        def entry(name: str, file: PrecisionFile, exported: _ExportedTier, latency: float, measured: float | None,
+                  **nested) -> TierEntry:
+            prof = profiles[name]
+            return TierEntry(
+                name=name, precision=file.precision, file=file.file, sha256=file.sha256, **nested,
+                params=prof.params, params_ratio=prof.params_ratio, macs=prof.macs, macs_ratio=prof.macs_ratio,
+                gamma=prof.gamma, gamma_w=prof.gamma_w, blocks_per_stage=prof.blocks_per_stage,
+                accuracy=measured if measured is not None or file.precision != "fp32" else source.accuracy.get(name),
+                accuracy_on=images.test_source if measured is not None else None,
+                batchnorm_folded=exported.batchnorm_folded,
+                channel_align=exported.channel_align,
+                channel_align_ms=exported.channel_align_ms,
+                max_abs_diff=file.agreement.max_abs_diff if file.agreement else exported.max_abs_diff,
+                vs_fp32=file.agreement,
+                calibration=file.calibration,
+                weights_mb=(file.model_bytes or (folder / file.file).stat().st_size) / 2**20,
+                activation_mb_per_sample=file.activation_bytes_per_sample / 2**20,
+                latency=exported.latency.model_copy(update={"median_ms": latency}),
+            )
+
+        if package is None:
+            entries = [entry(*item) for item in made]
+        else:
+            entries = _nested_entries(package, folder, made, entry, input_spec, output_spec, class_names, batch, latency_runs)
         manifest = Manifest(
-            **layout,
             schema_version=SCHEMA_VERSION,
+            format=format,
             model=compiled.spec.model,
             model_args=compiled.spec.model_args,
             source=source.description,
             created_by=f"nefl-zoo {__version__}",
-            opset=exported.opset,
-            input=InputSpec(
-                name=INPUT_NAME,
-                shape=list(compiled.input_size),
-                batch=fixed_batch,
-                normalization=Normalization(mean=list(normalization[0]), std=list(normalization[1]))
-                if normalization
-                else None,
-                dataset=dataset,
-            ),
-            output=OutputSpec(name=OUTPUT_NAME, num_classes=exported.num_classes),
-            class_names=list(CLASS_NAMES[dataset]) if dataset in CLASS_NAMES else None,
+            opset=made[-1][2].opset,
+            input=input_spec,
+            output=output_spec,
+            class_names=class_names,
             tiers=entries,
         )
         if package is not None:
             package.verify(folder, manifest)
         publish(folder, out_dir, manifest)
     return manifest
+
+
+def _nested_entries(package: PackageWriter, folder: Path, made: list, entry: Callable[..., TierEntry], input_spec: InputSpec,
+                    output_spec: OutputSpec, class_names: list[str] | None, batch: int, runs: int) -> list[TierEntry]:
+    """Write the nested model of each precision (its tier table in its metadata) and the
+    manifest entries pointing into it, every entry timed on that model, all in alternation."""
+    drafts = {(name, file.precision): entry(name, file, exported, 0.0, measured) for name, file, exported, _, measured in made}
+
+    def metadata(precision: str, names: list[str]) -> dict:
+        return nested_table(precision, [drafts[n, precision] for n in names], input_spec, output_spec, class_names)
+
+    nested = package.finish(folder, metadata)
+    positions = {precision: [e.name for e in entries] for precision, entries in package.entries.items()}
+    index = {(name, precision): positions[precision].index(name) for name, precision in drafts}
+    feed = {INPUT_NAME: np.random.default_rng(0).standard_normal((batch, *input_spec.shape), dtype=np.float32)}
+    calls = {key: functools.partial(TierSession(nested[key[1]].session, index[key]).run, None, feed) for key in drafts}
+    latencies = interleaved_median_ms(calls, runs, warmup_rounds=2)
+    return [
+        draft.model_copy(update={
+            "file": nested[key[1]].file.file, "sha256": nested[key[1]].file.sha256, "index": index[key],
+            "latency": draft.latency.model_copy(update={"median_ms": latencies[key]}),
+        })
+        for key, draft in drafts.items()
+    ]
 
 
 def _images(

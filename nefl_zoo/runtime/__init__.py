@@ -16,19 +16,21 @@ path must stay inside the manifest's folder (no ``..``, no symlink out of it), i
 checked against the manifest's sha256, and those same bytes, never the path again, are handed
 to onnxruntime (:func:`session_from_bytes`), so a file swapped after the check is never run; a
 model that keeps any tensor in external data is refused (:func:`check_self_contained`). A
-nested package's entries are assembled in memory from its shared tensors (:mod:`.nested`). A
+nested export's one file per precision serves all its entries, each by its ``tier`` input
+(:mod:`.nested`). A
 session's input and output shapes are checked against the manifest's ``input.shape`` and
 ``output.num_classes`` when it is created. ``python -m nefl_zoo.runtime bench PACKAGE``
 measures every entry's latency on the device (:mod:`.latency`).
 
 Modules: ``session`` (hash-checked bytes and sessions), ``tiers`` (:class:`TierRuntime`),
-``nested`` (packages), ``wire`` and ``arrays`` (protobuf and safetensors read with numpy),
+``nested`` (one file holding every tier), ``wire`` and ``arrays`` (protobuf and safetensors
+read with numpy),
 ``adaptive`` (the deadline policy), ``latency`` (tables measured on the device).
 """
 
 from .adaptive import AdaptivePolicy, Candidate, Deadline
 from .latency import LatencyTable, load_latency_table, measure_latency_table
-from .nested import NestedPackage
+from .nested import TierSession
 from .session import CPU_PROVIDER, MAX_TIER_BYTES, check_self_contained, create_session, read_tier, session_from_bytes
 from .tiers import NoTierFits, Selection, TierRuntime, run_in_chunks
 
@@ -39,9 +41,9 @@ __all__ = [
     "Candidate",
     "Deadline",
     "LatencyTable",
-    "NestedPackage",
     "NoTierFits",
     "Selection",
+    "TierSession",
     "TierRuntime",
     "check_self_contained",
     "create_session",

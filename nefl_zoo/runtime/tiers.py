@@ -16,8 +16,8 @@ from ..manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierE
 from ..memory import WORKING_SET_FACTOR, check_batch_memory
 from ..timing import interleaved_median_ms
 from .adaptive import AdaptivePolicy, Candidate, Deadline
-from .nested import NestedPackage
-from .session import CPU_PROVIDER, create_session, session_from_bytes
+from .nested import TIER_INPUT, TierSession
+from .session import CPU_PROVIDER, create_session
 
 class NoTierFits(ValueError):
     """No tier of the manifest meets the budget."""
@@ -66,8 +66,7 @@ class TierRuntime:
         self.root = self.manifest_path.parent  # tier files must resolve inside it
         self.providers = tuple(providers)
         self.threads = threads
-        self._sessions: dict[str, ort.InferenceSession] = {}
-        self._package = NestedPackage(self.manifest, self.root) if self.manifest.format == "nested" else None
+        self._sessions: dict[str, ort.InferenceSession] = {}  # by file: a nested model serves every entry in it
         self.selection: Selection = self.select()
         self.clock = clock
         self.adaptive: AdaptivePolicy | None = None
@@ -84,25 +83,31 @@ class TierRuntime:
             for label in self.adaptive.ladder:  # created and run once: a first run's set-up is no slowdown
                 self.session(label).run(None, warmup)
 
-    def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession:
-        """The (cached) session of an entry (:meth:`Manifest.tier`: a label, or a tier name
-        and ``precision``); the file's sha256 is checked on first use."""
+    def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession | TierSession:
+        """The session of an entry (:meth:`Manifest.tier`: a label, or a tier name and
+        ``precision``): its file's session, or for a nested model the :class:`TierSession`
+        of the entry's index over the file's one session. Each file is read, checked against
+        its sha256 and opened once, on first use, and cached."""
         entry = self.manifest.tier(tier, precision)
-        if entry.label not in self._sessions:
+        if entry.file not in self._sessions:
             path = self.root / entry.file
-            if self._package is None:
-                session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
-            else:
-                session = session_from_bytes(self._package.model_bytes(entry), str(path), self.providers, self.threads)
+            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
             self._check_io(session, str(path))
-            self._sessions[entry.label] = session
-        return self._sessions[entry.label]
+            self._sessions[entry.file] = session
+        session = self._sessions[entry.file]
+        return session if entry.index is None else TierSession(session, entry.index)
 
     def _check_io(self, session: ort.InferenceSession, source: str) -> None:
         """:class:`ManifestError` unless the model takes the manifest's input (name, shape,
-        batch) and gives ``output.num_classes`` logits."""
+        batch), for a nested model also an int64 scalar ``tier``, and gives
+        ``output.num_classes`` logits."""
         spec, where = self.manifest.input, str(self.manifest_path)
         inputs, outputs = session.get_inputs(), session.get_outputs()
+        if self.manifest.format == "nested":
+            tier = [i for i in inputs if i.name == TIER_INPUT]
+            if not tier or tier[0].type != "tensor(int64)" or tier[0].shape != []:
+                raise ManifestError(where, "format", f"nested, but {Path(source).name} has no int64 scalar input {TIER_INPUT!r}")
+            inputs = [i for i in inputs if i.name != TIER_INPUT]
         if len(inputs) != 1 or inputs[0].name != spec.name:
             names = ", ".join(i.name for i in inputs)
             raise ManifestError(where, "input.name", f"{spec.name!r}, but {Path(source).name} takes {names or 'nothing'}")

@@ -1,22 +1,14 @@
-"""Just enough of protobuf's wire format to check and assemble ONNX models without ``onnx``.
+"""Just enough of protobuf's wire format to check ONNX models without ``onnx``.
 
-The runtime needs numpy and onnxruntime only, yet it must (a) refuse a model that refers to
+The runtime needs numpy and onnxruntime only, yet it must refuse a model that refers to
 external data before onnxruntime sees it (onnxruntime would open that file by path, outside
-every hash check) and (b) give a weights-free tier graph its initializers from memory. Both are
-small walks over the serialized ``ModelProto`` (field numbers from ``onnx/onnx.proto``).
-
-Assembly relies on protobuf's merge rule: parsing ``A + B`` where both encode a ``ModelProto``
-equals merging B into A, and a repeated field (``GraphProto.initializer``) is appended to. So
-``graph_bytes + encode(ModelProto(graph=GraphProto(initializer=[...])))`` is the graph with
-those initializers, and onnxruntime treats them as the model's own constant initializers (it
-folds and prepacks them at session creation as it would a self-contained file's).
+every hash check): a small walk over the serialized ``ModelProto`` (field numbers from
+``onnx/onnx.proto``).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
-
-import numpy as np
+from typing import Iterator
 
 # ModelProto
 _MODEL_GRAPH, _MODEL_FUNCTIONS = 7, 25
@@ -29,15 +21,8 @@ _ATTR_T, _ATTR_G, _ATTR_TENSORS, _ATTR_GRAPHS, _ATTR_SPARSE, _ATTR_SPARSES = 5, 
 # SparseTensorProto: values, indices
 _SPARSE_VALUES, _SPARSE_INDICES = 1, 2
 # TensorProto
-_TENSOR_DIMS, _TENSOR_TYPE, _TENSOR_NAME, _TENSOR_RAW, _TENSOR_EXTERNAL, _TENSOR_LOCATION = 1, 2, 8, 9, 13, 14
+_TENSOR_NAME, _TENSOR_EXTERNAL, _TENSOR_LOCATION = 8, 13, 14
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
-
-#: numpy dtype -> TensorProto.DataType
-ONNX_DTYPES = {
-    np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
-    np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10, np.dtype(np.float64): 11,
-}
-
 
 class WireError(ValueError):
     """Bytes that are not a well-formed protobuf message."""
@@ -151,41 +136,3 @@ def external_tensors(model: bytes) -> list[str]:
                 if field == _FUNCTION_NODE and kind == 2:
                     found.extend(_node_external(node))
     return found
-
-
-def _key(number: int, wire_type: int) -> bytes:
-    return _encode_varint(number << 3 | wire_type)
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _length_delimited(number: int, payload: bytes | memoryview) -> bytes:
-    return _key(number, 2) + _encode_varint(len(payload)) + bytes(payload)
-
-
-def tensor_proto(name: str, array: np.ndarray) -> bytes:
-    """A serialized ``TensorProto`` holding ``array`` (little-endian raw data) under ``name``."""
-    array = np.asarray(array)
-    native = array.dtype.newbyteorder("=")
-    if native not in ONNX_DTYPES:
-        raise ValueError(f"{name}: dtype {array.dtype} has no ONNX tensor type here")
-    out = bytearray()
-    for dim in array.shape:
-        out += _key(_TENSOR_DIMS, 0) + _encode_varint(int(dim))
-    out += _key(_TENSOR_TYPE, 0) + _encode_varint(ONNX_DTYPES[native])
-    out += _length_delimited(_TENSOR_NAME, name.encode("utf-8"))
-    out += _length_delimited(_TENSOR_RAW, array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
-    return bytes(out)
-
-
-def with_initializers(model: bytes, initializers: Mapping[str, np.ndarray]) -> bytes:
-    """The serialized model ``model`` with ``initializers`` appended to its main graph."""
-    tensors = b"".join(_length_delimited(_GRAPH_INITIALIZER, tensor_proto(n, a)) for n, a in initializers.items())
-    return bytes(model) + _length_delimited(_MODEL_GRAPH, tensors)

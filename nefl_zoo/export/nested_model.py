@@ -1,0 +1,214 @@
+"""One standard ONNX model holding every tier: the nested model (``nested.PREC.onnx``).
+
+The model takes the images (``input``) and an int64 scalar ``tier`` (0 = the first tier of its
+table ... T-1 = the last; negative values count from the end, as in Python) and gives the
+chosen tier's ``logits``. Every shared tensor of the global model is stored once, as a
+top-level initializer; each tier is a branch of a balanced tree of ``If`` nodes (depth
+ceil(log2 T)) whose ops cut the tier's weights out of the shared tensors (``Slice``,
+``Gather``, a ``Mul`` by a folded BatchNorm's per-channel factor, ``Cast``, ``Pad``) and then
+run the tier's own graph; the tier's small tensors (folded biases, step sizes, quantization
+scales) are initializers of its branch, named ``tN/...``. A tier value outside the table fails
+in the ``Gather`` node named ``tier_out_of_range``.
+
+onnxruntime folds the cuts at session creation (their inputs are all constant), so each tier
+runs on constant weights with the same kernels as its own self-contained file. The tier table
+(names, parameters, MACs, accuracy, input and output, class names) is in the model's
+``metadata_props`` under :data:`~nefl_zoo.runtime.nested.METADATA_KEY` (JSON), so an app that
+has only the file can list and choose its tiers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..manifest import InputSpec, OutputSpec, TierEntry
+from ..runtime.nested import METADATA_FORMAT, METADATA_KEY, TIER_INPUT
+from .nested import NestedEntry, Slice
+from .onnx_file import INPUT_NAME, OUTPUT_NAME
+from .verify import ExportError
+
+GUARD_NODE = "tier_out_of_range"
+_CHECKED_TIER = "tier_checked"
+_ONNX_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    return {n for node in graph.node for n in (*node.input, *node.output) if n}
+
+
+def _sorted(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes in an order where each comes after the nodes it reads (onnxruntime
+    runs an unsorted graph, as onnxruntime's FP16 converter may leave one; the checker refuses it)."""
+    produced = {o: k for k, node in enumerate(graph.node) for o in node.output}
+    order, done, visiting = [], set(), set()
+    for start in range(len(graph.node)):
+        stack = [(start, False)]
+        while stack:
+            k, expanded = stack.pop()
+            if k in done:
+                continue
+            if expanded:
+                done.add(k)
+                order.append(graph.node[k])
+                continue
+            if k in visiting:
+                raise ExportError(f"the tier graph has a cycle through node {graph.node[k].name or graph.node[k].op_type}")
+            visiting.add(k)
+            stack.append((k, True))
+            stack.extend((produced[i], False) for i in reversed(graph.node[k].input) if i in produced and produced[i] not in done)
+    return order
+
+
+class _Branch:
+    """One tier's branch: its nodes and its own initializers. These stay inside the branch's
+    graph: onnxruntime fuses and re-lays a convolution for fast kernels only when its weight and
+    bias are constants of the graph it runs in (with the tier's biases at the top level, the
+    full tier of a ResNet20 ran 2x slower than its own file)."""
+
+    def __init__(self, index: int, entry: NestedEntry, shared: Mapping[str, np.ndarray]):
+        self.prefix = f"t{index}/"
+        self.initializers: list[onnx.TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        graph = entry.graph.graph
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+            raise ExportError(f"tier {entry.name}: its graph has subgraphs, which a nested model does not nest")
+        if entry.graph.functions:
+            raise ExportError(f"tier {entry.name}: its model has local functions, which a nested model does not nest")
+        self.half_weights = entry.half_weights
+        for name in entry.literals:
+            self._literal(name, entry.arrays[name])
+        for cut in entry.slices:
+            self._cut(cut, shared, entry.arrays)
+        rename = {n: self.prefix + n for n in _names(graph) if n != graph.input[0].name}
+        rename[graph.output[0].name] = self.output
+        for node in _sorted(graph):
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.name = self.prefix + (node.name or f"{node.op_type}_{len(self.nodes)}")
+            copy.input[:] = [INPUT_NAME if n == graph.input[0].name else rename.get(n, n) for n in node.input]
+            copy.output[:] = [rename.get(n, n) for n in node.output]
+            self.nodes.append(copy)
+        self.output_type = graph.output[0].type
+
+    @property
+    def output(self) -> str:
+        return self.prefix + OUTPUT_NAME
+
+    def _constant(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.asarray(array), self.prefix + name))
+        return self.prefix + name
+
+    def _literal(self, name: str, array: np.ndarray) -> None:
+        """A tensor of the tier's own; with half-precision weights, cast to float32 for the graph."""
+        if self.half_weights and array.dtype == np.float16:
+            stored = self._constant(f"{name}~half", array)
+            self.nodes.append(helper.make_node("Cast", [stored], [self.prefix + name], name=self.prefix + name, to=TensorProto.FLOAT))
+        else:
+            self._constant(name, array)
+
+    def _node(self, op: str, inputs: list[str], output: str, **attributes) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
+        return output
+
+    def _cut(self, cut: Slice, shared: Mapping[str, np.ndarray], tier: Mapping[str, np.ndarray]) -> None:
+        """The nodes that make initializer ``cut.name`` from its shared tensor (as
+        :func:`~nefl_zoo.export.nested.materialize` computes it)."""
+        source = shared[cut.shared]
+        value, shape, step = cut.shared, list(source.shape), f"{cut.name}~"
+        ranges = [(d, i) for d, i in enumerate(cut.index) if isinstance(i, tuple) and i != (0, source.shape[d])]
+        if ranges:
+            starts = np.array([i[0] for _, i in ranges], np.int64)
+            ends = np.array([i[1] for _, i in ranges], np.int64)
+            axes = np.array([d for d, _ in ranges], np.int64)
+            inputs = [value] + [self._constant(f"{step}{k}", a) for k, a in (("starts", starts), ("ends", ends), ("axes", axes))]
+            value = self._node("Slice", inputs, self.prefix + step + "slice")
+            for d, (start, stop) in ranges:
+                shape[d] = stop - start
+        for d, i in enumerate(cut.index):
+            if isinstance(i, str):
+                value = self._node("Gather", [value, self._constant(i, tier[i])], f"{self.prefix}{step}gather{d}", axis=d)
+                shape[d] = len(tier[i])
+        if cut.scale is not None:
+            factor = tier[cut.scale].astype(np.float32).reshape(-1, *[1] * (len(shape) - 1))
+            if source.dtype != np.float32:
+                value = self._node("Cast", [value], self.prefix + step + "float", to=TensorProto.FLOAT)
+            value = self._node("Mul", [value, self._constant(cut.scale, factor)], self.prefix + step + "scaled")
+            if cut.dtype is not None and np.dtype(cut.dtype) != np.float32:
+                value = self._node("Cast", [value], self.prefix + step + "cast", to=_ONNX_TYPES[np.dtype(cut.dtype)])
+        if cut.pad is not None and list(cut.pad) != shape:
+            pads = np.array([0] * len(shape) + [p - n for p, n in zip(cut.pad, shape)], np.int64)
+            value = self._node("Pad", [value, self._constant(f"{step}pads", pads)], self.prefix + step + "pad")
+        if self.half_weights:
+            value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
+        self.nodes.append(helper.make_node("Identity", [value], [self.prefix + cut.name], name=self.prefix + cut.name))
+
+
+def _tree(branches: Sequence[_Branch], lo: int, hi: int, output: str, initializers: list) -> list[onnx.NodeProto]:
+    """The nodes that compute ``output`` from the branch of the tier in ``[lo, hi)`` the
+    checked tier selects: the branch itself, or an ``If`` over the two halves."""
+    if hi - lo == 1:
+        branch = branches[lo]
+        return [*branch.nodes, helper.make_node("Identity", [branch.output], [output], name=f"{output}~")]
+    mid = (lo + hi) // 2
+    bound = f"tier<{mid}"
+    if not any(t.name == bound for t in initializers):
+        initializers.append(numpy_helper.from_array(np.array(mid, np.int64), bound))
+
+    def half(a: int, b: int) -> onnx.GraphProto:
+        out = f"tiers[{a}:{b}]"
+        value = helper.make_value_info(out, branches[a].output_type)
+        local = branches[a].initializers if b - a == 1 else []
+        return helper.make_graph(_tree(branches, a, b, out, initializers), out, [], [value], local)
+
+    return [
+        helper.make_node("Less", [_CHECKED_TIER, bound], [f"{output}?"], name=f"{output}?"),
+        helper.make_node("If", [f"{output}?"], [output], name=f"{output}~if",
+                         then_branch=half(lo, mid), else_branch=half(mid, hi)),
+    ]
+
+
+def nested_model(entries: Sequence[NestedEntry], shared: Mapping[str, np.ndarray], metadata: dict) -> onnx.ModelProto:
+    """The nested model of ``entries`` (in table order: ``tier`` = position) over the
+    ``shared`` tensors they slice, with the tier table ``metadata`` in ``metadata_props``."""
+    if not entries:
+        raise ExportError("a nested model needs at least one tier")
+    branches = [_Branch(i, entry, shared) for i, entry in enumerate(entries)]
+    first = entries[0].graph
+    opsets = {(o.domain, o.version) for e in entries for o in e.graph.opset_import}
+    if len({domain for domain, _ in opsets}) != len(opsets):
+        raise ExportError(f"the tiers' models import different opsets: {sorted(opsets)}")
+    used = {n for b in branches for node in b.nodes for n in node.input}
+    initializers = [numpy_helper.from_array(np.asarray(a), k) for k, a in sorted(shared.items()) if k in used]
+    clash = {t.name for t in initializers} & {t.name for b in branches for t in b.initializers}
+    if clash:
+        raise ExportError(f"shared tensor {sorted(clash)[0]} is named like a tier's own tensor")
+    if len(branches) == 1:
+        initializers.extend(branches[0].initializers)
+    tiers = np.arange(len(entries), dtype=np.int64)
+    initializers.append(numpy_helper.from_array(tiers, "tiers"))
+    guard = helper.make_node("Gather", ["tiers", TIER_INPUT], [_CHECKED_TIER], name=GUARD_NODE, axis=0)
+    nodes = [guard, *_tree(branches, 0, len(branches), OUTPUT_NAME, initializers)]
+    graph = helper.make_graph(
+        nodes, "nested", [first.graph.input[0], helper.make_tensor_value_info(TIER_INPUT, TensorProto.INT64, [])],
+        [first.graph.output[0]], initializers,
+    )
+    model = helper.make_model(graph, opset_imports=list(first.opset_import), ir_version=first.ir_version,
+                              producer_name="nefl-zoo", doc_string=__doc__.split("\n\n")[1].replace("\n", " "))
+    helper.set_model_props(model, {METADATA_KEY: json.dumps(metadata, separators=(",", ":"))})
+    return model
+
+
+def nested_table(precision: str, entries: Sequence[TierEntry], input_spec: InputSpec, output_spec: OutputSpec,
+                 class_names: list[str] | None) -> dict:
+    """The tier table of a nested model's ``metadata_props`` (entries in ``tier`` order)."""
+    keys = ("name", "params", "params_ratio", "macs", "macs_ratio", "gamma_w", "accuracy")
+    return {
+        "format": METADATA_FORMAT, "version": 1, "precision": precision, "tier_input": TIER_INPUT,
+        "input": input_spec.model_dump(), "output": output_spec.model_dump(), "class_names": class_names,
+        "tiers": [{"index": i, **{k: getattr(e, k) for k in keys}} for i, e in enumerate(entries)],
+    }

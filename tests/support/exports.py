@@ -1,0 +1,57 @@
+"""A small nested export shared by the runtime, Node and browser tests.
+
+A ResNet20 shaped for scikit-learn's digits (1 x 16 x 16, 10 classes) with seeded random
+weights and trained-looking norms, three tiers (a narrow one with skipped blocks, a middle one,
+the full model), exported in the default nested format at FP32 and INT8.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPEC = {
+    "model": "resnet20",
+    "model_args": {"num_classes": 10, "in_chans": 1, "img_size": 16},
+    "inconsistent": ["steps", "norm"],
+    "tiers": [
+        {"name": "small", "gamma_w": 0.25, "steps": [[1, 0, 0.5], [1, 0.7, 0], [1, 0, 1]]},
+        {"name": "mid", "gamma_w": 0.5},
+        {"name": "full"},
+    ],
+}
+
+
+def trained_looking_state(compiled) -> dict[str, torch.Tensor]:
+    """Global state whose norms are not the identity and whose step sizes are not 1, so that
+    folding, per-tier tensors and slices all matter (negative BN scales included)."""
+    generator = torch.Generator().manual_seed(0)
+    state = compiled.init_global_state()
+    for key, value in state.items():
+        if value.dtype != torch.float32:
+            continue
+        if "running_var" in key:
+            value.copy_(torch.rand(value.shape, generator=generator) + 0.5)
+        elif ".bn" in key or "downsample.1" in key:
+            value.copy_(torch.randn(value.shape, generator=generator) * 0.5 + (1.0 if key.endswith("weight") else 0.0))
+        elif "step" in key:
+            value.mul_(0.8)
+    return state
+
+
+def nested_export(folder: str | Path, precisions=("fp32", "int8"), **options) -> Path:
+    """Export the three tiers into ``folder`` (the default nested format) and return it."""
+    from nefl_zoo.export import ExportSource, export_tiers
+    from nefl_zoo.slim import compile_spec
+    from nefl_zoo.spec import parse_spec
+
+    compiled = compile_spec(parse_spec(SPEC))
+    state = trained_looking_state(compiled)
+    calibration = np.random.default_rng(0).standard_normal((64, *compiled.input_size)).astype(np.float32)
+    source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8}, dataset="digits")
+    settings = {"precisions": list(precisions), "calibration": calibration, "latency_runs": 1, "threads": 1,
+                "format": "nested", **options}
+    export_tiers(source, folder, **settings)
+    return Path(folder)
