@@ -41,10 +41,12 @@ app = typer.Typer(
 from . import zoo  # noqa: E402  (registers models, specs, schema, build, profile)
 from . import export  # noqa: E402  (registers export, select, predict, bench-tiers)
 from . import train  # noqa: E402  (registers train, compare, methods)
+from . import serve  # noqa: E402  (registers serve)
 
 zoo.register(app)
 export.register(app)
 train.register(app)
+serve.register(app)
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ def export(
     threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the latency (default: per core)"),
     export_format: ExportFormat = typer.Option(
         ExportFormat.nested, "--format",
-        help="nested: one package, the shared tensors once per precision and each tier's graph and own tensors "
+        help="nested: one standard .onnx file per precision holding every tier, chosen by its int64 input 'tier' "
         "(every tier for about the bytes of the largest); files: one self-contained .onnx file per tier and precision",
     ),
     pad_channels: PadChannels = typer.Option(
@@ -98,7 +98,7 @@ def export(
     ),
     as_json: bool = json_option(),
 ) -> None:
-    """Export every tier, verified, as one nested package (default) or one .onnx file per tier and
+    """Export every tier, verified, as one nested model per precision (default) or one .onnx file per tier and
     precision, plus manifest.json."""
     from nefl_zoo.export import ExportError, export_tiers, load_source
     from nefl_zoo.spec import SpecError

@@ -65,6 +65,15 @@ def server_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value)
 
 
+@pytest.fixture(scope="session")
+def nested_export_dir(tmp_path_factory):
+    """The small nested export of tests/support/exports.py, made once per test process (read it,
+    never write into it: copy it first)."""
+    from .support.exports import nested_export
+
+    return nested_export(tmp_path_factory.mktemp("nested"))
+
+
 @pytest.fixture
 def resnet20_spec():
     """Three tiers of resnet20: narrow with skipped blocks (one a projection block), medium, full."""

@@ -62,10 +62,8 @@ def test_export_writes_only_the_requested_tiers(export_dir):
     manifest = load_manifest(export_dir)
     assert [t.name for t in manifest.tiers] == ["g0.25", "g1"]
     assert manifest.format == "nested"  # the default
-    assert sorted(p.name for p in export_dir.iterdir() if not p.name.startswith(".")) == [
-        "g0.25.fp32.graph.onnx", "g0.25.fp32.tensors.safetensors", "g1.fp32.graph.onnx", "g1.fp32.tensors.safetensors",
-        "manifest.json", "shared.fp32.safetensors",
-    ]
+    assert sorted(p.name for p in export_dir.iterdir() if not p.name.startswith(".")) == ["manifest.json", "nested.fp32.onnx"]
+    assert [t.index for t in manifest.tiers] == [0, 1]
     assert manifest.class_names[0] == "airplane"
 
 
@@ -163,10 +161,10 @@ def test_predict_refuses_unreadable_images_and_unknown_tiers(export_dir, tmp_pat
 
 def test_predict_refuses_a_tampered_tier(export_dir, tmp_path, image):
     copy = shutil.copytree(export_dir, tmp_path / "copy")
-    with open(copy / "g1.fp32.tensors.safetensors", "ab") as f:
+    with open(copy / "nested.fp32.onnx", "ab") as f:
         f.write(b"\0")
-    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "g1.fp32.tensors.safetensors: sha256")
-    assert invoke("predict", copy, image, "--tier", "g0.25").exit_code == 0
+    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "nested.fp32.onnx: sha256")
+    assert invoke("predict", export_dir, image, "--tier", "g0.25").exit_code == 0
 
 
 def test_bench_tiers_measures_every_tier(export_dir):

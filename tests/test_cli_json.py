@@ -60,7 +60,7 @@ def export_dir(exported):
 # --- --json on every command that prints results -------------------------------------------
 
 
-NO_RESULTS = {"clientapp"}  # a long-running ClientApp process: it logs, it prints no results
+NO_RESULTS = {"clientapp", "serve"}  # long-running processes (a ClientApp, the local page's server): they log, they print no results
 
 
 def test_every_command_has_json():

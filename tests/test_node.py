@@ -17,7 +17,6 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from .support.exports import nested_export
 
 WEB = Path(__file__).resolve().parent.parent / "web"
 BATCH = 3
@@ -37,8 +36,8 @@ def node():
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    return nested_export(tmp_path_factory.mktemp("nested"))
+def export(nested_export_dir) -> Path:
+    return nested_export_dir
 
 
 def python_cases(folder: Path) -> dict:

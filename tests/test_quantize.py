@@ -82,7 +82,7 @@ def test_every_tier_ships_one_checked_file_per_precision(run):
     _, _, out, printed, _, _ = run
     manifest = load_manifest(out)
     assert printed["manifest"] == json.loads((out / "manifest.json").read_text()) and printed["warnings"] == []
-    assert manifest.schema_version == 3
+    assert manifest.schema_version == 4
     assert [(t.name, t.precision, t.file) for t in manifest.tiers] == [
         ("full", p, f"full.onnx" if p == "fp32" else f"full.{p}.onnx") for p in ("fp32", "int8", "fp16")
     ]

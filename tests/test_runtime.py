@@ -118,7 +118,7 @@ def test_corrupt_file_with_a_matching_hash_is_a_clear_error(export_copy):
     "edit, message",
     [
         (lambda m: m.pop("schema_version"), "schema_version: required key is missing"),
-        (lambda m: m.update(schema_version=4), r"schema_version: unsupported version 4 \(this nefl-zoo reads 1, 2 and 3; re-export or upgrade nefl-zoo\)"),
+        (lambda m: m.update(schema_version=5), r"schema_version: unsupported version 5 \(this nefl-zoo reads 1, 2, 3 and 4; re-export or upgrade nefl-zoo\)"),
         (lambda m: m["tiers"][1].pop("sha256"), r"tiers\[1\].sha256: required key is missing"),
         (lambda m: m["input"].update(shape="32x32"), r"input.shape: Input should be a valid list"),
         (lambda m: m.update(tiers=[]), "tiers: List should have at least 1 item"),
@@ -485,7 +485,7 @@ def test_benchmark_runs_the_session_warmup_plus_runs_times(exported):
             feeds.append(feed)
             return session.run(names, feed)
 
-    runtime._sessions["small"] = Counting()
+    runtime._sessions[runtime.manifest.tier("small").file] = Counting()  # sessions are cached by file
     assert runtime.benchmark("small", 3, runs=4, warmup=1) > 0
     assert len(feeds) == 5 and all(f["input"].shape == (3, 3, 32, 32) and f["input"].dtype == np.float32 for f in feeds)
     feeds.clear()

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..manifest import Agreement, Calibration, PackageFile
+from ..manifest import Agreement, Calibration
 from ..runtime import run_in_chunks
 from ..timing import interleaved_median_ms
 from .data import ExportImages
@@ -41,9 +41,8 @@ class PrecisionFile:
     logits: np.ndarray | None = None  # on the test images
     agreement: Agreement | None = None
     calibration: Calibration | None = None
-    data: bytes | None = None  # the serialized model (kept for a nested package)
-    tensors: PackageFile | None = None  # nested: the entry's per-tier file
-    model_bytes: int | None = None  # nested: the size of the model a session holds
+    data: bytes | None = None  # the serialized model (kept for the nested model)
+    model_bytes: int | None = None  # nested: the size of the tier's own file
 
 
 def precision_filename(tier_file: str, precision: str) -> str:

@@ -47,6 +47,7 @@ def nested_export(folder: str | Path, precisions=("fp32", "int8"), **options) ->
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
 
+    torch.manual_seed(0)  # the global state's initialisation: the same export every time
     compiled = compile_spec(parse_spec(SPEC))
     state = trained_looking_state(compiled)
     calibration = np.random.default_rng(0).standard_normal((64, *compiled.input_size)).astype(np.float32)

@@ -28,3 +28,10 @@ test("the example loads the export and chooses a tier per request", { skip: DIR 
     assert.ok(Number(cls) < manifest.output.num_classes, line);
   });
 });
+
+test("the README shows this example, character for character", () => {
+  const readme = readFileSync(fileURLToPath(new URL("../../README.md", import.meta.url)), "utf8");
+  const block = readme.match(/```javascript\n([\s\S]*?)```/);
+  assert.ok(block, "README.md has a ```javascript block");
+  assert.equal(block[1], readFileSync(EXAMPLE, "utf8"));
+});

@@ -1,0 +1,362 @@
+"""``serve``: a local page that runs a nested export in the browser (onnxruntime-web, WASM).
+
+The standard library's threaded HTTP server, bound to localhost by default, serves::
+
+    /                the page (web/page/index.html)
+    /app/FILE        the page's static files (web/page/)
+    /lib/FILE        the JS runtime modules (web/lib/: nested.mjs, policy.mjs)
+    /ort/FILE        onnxruntime-web's dist/ (web/node_modules/onnxruntime-web/dist/, `npm ci`)
+    /export/FILE     manifest.json and the nested .onnx files its tiers name, nothing else
+    /samples.json    the first N test images of the manifest's input.dataset, as the project's
+                     data module prepares them at the manifest's input shape (seeded random
+                     inputs without labels when the dataset cannot be loaded)
+
+Every response is cross-origin isolated (COOP/COEP, so onnxruntime-web may use threads) and
+not cached (a re-export is picked up on reload). Nothing outside the four folders is served:
+each request path is resolved and refused unless it lies inside its folder. The samples are
+prepared in a background thread as the server starts (torch is imported then, never when the
+CLI starts).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import mimetypes
+import os
+import shutil
+import socket
+import sys
+import threading
+from functools import partial
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import typer
+
+from .errors import fail, guarded, require_positive
+
+WEB = Path(__file__).resolve().parent.parent / "web"  # the repository's web/ folder
+ORT_DIST = Path("node_modules") / "onnxruntime-web" / "dist"
+NPM_FIX = "cd web && ONNXRUNTIME_NODE_INSTALL=skip npm ci"
+SAMPLE_SEED = 0
+MANIFEST = "manifest.json"
+
+MIME = {
+    ".html": "text/html; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".map": "application/json",
+    ".wasm": "application/wasm",
+    ".onnx": "application/octet-stream",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+    ".ico": "image/x-icon",
+    ".txt": "text/plain; charset=utf-8",
+}
+HEADERS = {
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Embedder-Policy": "require-corp",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+class ServeError(ValueError):
+    """An export folder or web/ checkout the page cannot be served from (one line)."""
+
+
+def mime_type(path: Path) -> str:
+    """The Content-Type of a served file, by its suffix."""
+    return MIME.get(path.suffix.lower()) or mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+
+
+def inside(base: Path, relative: str) -> Path | None:
+    """The file ``relative`` (a URL path, already unquoted) names under ``base``, or ``None``
+    when it is not a file strictly inside ``base`` once resolved (``..``, absolute paths,
+    symbolic links out of it, hidden names, folders)."""
+    parts = relative.split("/")
+    if not relative or any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
+        return None
+    root = base.resolve()
+    try:
+        path = (root / relative).resolve()
+    except (OSError, RuntimeError):
+        return None
+    if not path.is_relative_to(root) or path == root or not path.is_file():
+        return None
+    return path
+
+
+def check_export(folder: Path) -> dict:
+    """The manifest of the nested export in ``folder`` (validated by the project's reader);
+    :class:`ServeError` or the reader's one-line error otherwise."""
+    from nefl_zoo.manifest import load_manifest
+
+    if not folder.exists():
+        raise ServeError(f"{folder}: no such export folder (`nefl-zoo export SOURCE --out {folder}` writes one)")
+    if not folder.is_dir():
+        raise ServeError(f"{folder}: not a folder; give the export folder that holds {MANIFEST}")
+    if not (folder / MANIFEST).is_file():
+        raise ServeError(f"{folder}: no {MANIFEST} (not an export folder; `nefl-zoo export` writes one)")
+    manifest = load_manifest(folder / MANIFEST)
+    if manifest.format != "nested":
+        raise ServeError(
+            f"{folder / MANIFEST}: format {manifest.format!r}; the page runs one nested file per precision "
+            f"(re-export with `nefl-zoo export SOURCE --format nested`)"
+        )
+    for entry in manifest.tiers:
+        if not (folder / entry.file).is_file():
+            raise ServeError(f"{folder / MANIFEST}: tier {entry.label}: {entry.file} is missing from the folder")
+    return manifest.model_dump(mode="json")
+
+
+def ort_dist(web: Path | None = None) -> Path:
+    """onnxruntime-web's dist/ folder; :class:`ServeError` naming the fix when not installed."""
+    dist = (WEB if web is None else web) / ORT_DIST
+    if not (dist / "ort.wasm.min.mjs").is_file():
+        raise ServeError(f"onnxruntime-web is not installed ({dist} is missing); run `{NPM_FIX}`")
+    return dist
+
+
+def sample_images(manifest: dict, count: int) -> dict:
+    """``/samples.json``: the first ``count`` test images of the manifest's dataset as the
+    project's data module prepares them (flat little-endian float32, base64) with their labels,
+    or seeded random normal inputs without labels when the dataset cannot be loaded."""
+    import numpy as np
+
+    spec = manifest["input"]
+    shape = [int(d) for d in spec["shape"]]
+    dataset = spec.get("dataset")
+    images, labels, note = None, None, None
+    if dataset:
+        try:
+            images, labels = _test_images(dataset, shape, count)
+            source = f"the first {len(images)} images of the {dataset} test split"
+        except Exception as exc:  # noqa: BLE001 (whatever stops the data module, the page still runs)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            note = f"the {dataset} dataset cannot be loaded here ({first})"
+    else:
+        note = "the manifest names no dataset"
+    if images is None:
+        images = np.random.default_rng(SAMPLE_SEED).standard_normal((count, *shape), dtype=np.float32)
+        source = f"{count} seeded random normal inputs (seed {SAMPLE_SEED}), no labels: {note}"
+    images = np.ascontiguousarray(images, dtype="<f4")
+    return {
+        "dataset": dataset,
+        "source": source,
+        "random": labels is None,
+        "count": int(images.shape[0]),
+        "shape": list(images.shape),
+        "dtype": "float32",
+        "data": base64.b64encode(images.tobytes()).decode("ascii"),
+        "labels": labels,
+    }
+
+
+def _test_images(dataset: str, shape: list[int], count: int):
+    """The first ``count`` test images and labels of ``dataset`` at ``shape``, prepared as
+    training evaluates (the data module with the config nefl_zoo.export.data's
+    ``load_run_images`` uses: no augmentation; only these images are read, not the split)."""
+    import numpy as np
+
+    from nefl_zoo.fl.data import load_data
+    from nefl_zoo.fl.settings import DataConfig
+
+    config = DataConfig.model_validate({"dataset": dataset, "augment": False, "partition": "iid", "local_split": None})
+    loaded = load_data(config, Path(config.root), tuple(shape), 1, SAMPLE_SEED)
+    pairs = [loaded.test[i] for i in range(min(count, len(loaded.test)))]
+    return np.stack([np.asarray(x, np.float32) for x, _ in pairs]), [int(y) for _, y in pairs]
+
+
+class Site:
+    """What the server serves (see the module docstring); :meth:`resolve` maps a request path
+    to ``(body, content_type)`` or ``None`` (404)."""
+
+    def __init__(self, export_dir: Path, samples: int = 64, web: Path | None = None):
+        web = WEB if web is None else web
+        self.manifest = check_export(export_dir)
+        self.export_dir = export_dir.resolve()
+        if not (web / "page" / "index.html").is_file():
+            raise ServeError(f"{web / 'page' / 'index.html'} is missing (serve runs from a source checkout of nefl-zoo)")
+        self.roots = {"app": web / "page", "lib": web / "lib", "ort": ort_dist(web)}
+        self.samples = samples
+        self._samples_json: bytes | None = None
+        self._samples_ready = threading.Event()
+        self._thread = threading.Thread(target=self._prepare_samples, name="nefl-samples", daemon=True)
+        self._thread.start()
+
+    def _prepare_samples(self) -> None:
+        try:
+            self._samples_json = json.dumps(sample_images(self.manifest, self.samples)).encode()
+        except Exception as exc:  # noqa: BLE001 (served as an error, the page says so)
+            self._samples_json = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        finally:
+            self._samples_ready.set()
+
+    def samples_json(self) -> bytes:
+        """The bytes of ``/samples.json`` (waits for the background preparation)."""
+        self._samples_ready.wait()
+        assert self._samples_json is not None
+        return self._samples_json
+
+    def export_files(self) -> set[str]:
+        """The names ``/export/`` serves: manifest.json and the files the manifest's tiers name
+        (re-read, so that a re-export is served as it is now)."""
+        try:
+            tiers = json.loads((self.export_dir / MANIFEST).read_text(encoding="utf-8")).get("tiers", [])
+            names = {t["file"] for t in tiers if isinstance(t, dict) and isinstance(t.get("file"), str)}
+        except (OSError, ValueError, AttributeError):
+            names = set()
+        return {MANIFEST} | {n for n in names if n.endswith(".onnx")}
+
+    def resolve(self, url_path: str) -> tuple[bytes | Path, str] | None:
+        path = unquote(urlsplit(url_path).path)
+        if path in ("/", "/index.html"):
+            page = self.roots["app"] / "index.html"
+            return page, mime_type(page)
+        if path == "/samples.json":
+            return self.samples_json(), MIME[".json"]
+        head, _, rest = path.lstrip("/").partition("/")
+        if head == "export":
+            if rest not in self.export_files():
+                return None
+            found = inside(self.export_dir, rest)
+        elif head in self.roots:
+            found = inside(self.roots[head], rest)
+        else:
+            return None
+        return (found, mime_type(found)) if found is not None else None
+
+
+class Handler(BaseHTTPRequestHandler):
+    """GET and HEAD of :class:`Site`'s paths; everything else 404 or 405."""
+
+    server_version = "nefl-zoo-serve"
+    protocol_version = "HTTP/1.1"
+
+    def __init__(self, *args, site: Site, quiet: bool, **kwargs):
+        self.site, self.quiet = site, quiet
+        super().__init__(*args, **kwargs)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._respond(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._respond(body=False)
+
+    def _respond(self, body: bool) -> None:
+        found = self.site.resolve(self.path)
+        if found is None:
+            self._send(HTTPStatus.NOT_FOUND, b"not found\n", MIME[".txt"], body)
+            return
+        content, kind = found
+        if not isinstance(content, Path):
+            self._send(HTTPStatus.OK, content, kind, body)
+            return
+        with open(content, "rb") as f:  # streamed: a model file may be large
+            self._head(HTTPStatus.OK, kind, os.fstat(f.fileno()).st_size)
+            if body:
+                shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+    def _head(self, status: HTTPStatus, kind: str, length: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(length))
+        for name, value in HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
+
+    def _send(self, status: HTTPStatus, data: bytes, kind: str, body: bool) -> None:
+        self._head(status, kind, len(data))
+        if body:
+            self.wfile.write(data)
+
+    def _refuse(self) -> None:
+        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's name)
+        if not self.quiet:
+            super().log_message(format, *args)
+
+
+class Server(ThreadingHTTPServer):
+    """One thread per connection; a browser that drops a connection is not an error."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class Server6(Server):
+    """:class:`Server` on an IPv6 address (``--host ::1``)."""
+
+    address_family = socket.AF_INET6
+
+
+def make_server(export_dir: Path, host: str = "127.0.0.1", port: int = 0, samples: int = 64,
+                quiet: bool = True, web: Path | None = None) -> Server:
+    """A server of ``export_dir``'s page (not yet serving: call ``serve_forever``);
+    :class:`ServeError` (or the manifest reader's error) for what cannot be served."""
+    site = Site(export_dir, samples, web)
+    server = (Server6 if ":" in host else Server)((host, port), partial(Handler, site=site, quiet=quiet))
+    server.site = site  # type: ignore[attr-defined]
+    return server
+
+
+def url_of(server: Server) -> str:
+    host, port = server.server_address[:2]
+    shown = f"[{host}]" if ":" in str(host) else host
+    return f"http://{shown}:{port}/"
+
+
+def serve(
+    export_dir: Path = typer.Argument(..., help="the export folder (manifest.json and the nested .onnx files)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (default: this machine only)"),
+    port: int = typer.Option(8000, help="port to listen on (0: any free port)"),
+    samples: int = typer.Option(64, help="test images of the manifest's dataset bundled with the page"),
+    log: bool = typer.Option(False, "--log/--no-log", help="print one line per request (on stderr)"),
+) -> None:
+    """Serve a local page that runs the export's tiers in the browser (onnxruntime-web): predictions,
+    adaptive tier choice under a deadline, and a latency table for `select --latency-table`."""
+    from nefl_zoo.manifest import ManifestError
+
+    require_positive(samples=samples)
+    if not 0 <= port <= 65535:
+        raise fail(f"--port: must be in 0..65535, got {port}")
+    try:
+        server = make_server(export_dir, host, port, samples, quiet=not log)
+    except (ServeError, ManifestError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--host {host} --port {port}: cannot listen ({exc.strerror or exc}); --port 0 takes any free port") from None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"warning: listening on {host}: other machines can reach the page", err=True)
+    typer.echo(f"serving {export_dir} at {url_of(server)} (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        typer.echo("stopped")
+    finally:
+        server.server_close()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to ``app``."""
+    app.command()(guarded(serve))
+
+
+__all__ = ["Site", "ServeError", "make_server", "register", "serve", "url_of"]

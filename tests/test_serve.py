@@ -1,0 +1,287 @@
+"""`nefl-zoo serve` without a browser: routes, content types and headers, paths outside the
+served folders refused, the one-line errors (exit 2) of a bad export folder or a missing
+onnxruntime-web, and the bundled samples.
+
+The routing tests serve a stand-in web/ folder and export folder (files of known bytes; the
+export's manifest is not validated here, tests/test_browser.py serves a real export)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import nefl_zoo_cli.serve as serve
+from nefl_zoo_cli.app import app
+
+SHAPE = [1, 16, 16]
+MANIFEST = {
+    "schema_version": 4, "format": "nested", "model": "resnet20",
+    "input": {"name": "input", "shape": SHAPE, "batch": None, "normalization": None, "dataset": "digits"},
+    "output": {"name": "logits", "num_classes": 10},
+    "tiers": [
+        {"name": "small", "precision": "fp32", "file": "nested.fp32.onnx", "index": 0},
+        {"name": "full", "precision": "fp32", "file": "nested.fp32.onnx", "index": 1},
+        {"name": "small", "precision": "int8", "file": "nested.int8.onnx", "index": 0},
+        {"name": "full", "precision": "int8", "file": "link.onnx", "index": 1},  # a link out of the folder
+    ],
+}
+
+runner = CliRunner()
+
+
+def make_web(tmp_path: Path) -> Path:
+    """A web/ folder: the page, lib/, onnxruntime-web's dist/ and a file beside them."""
+    root = tmp_path / "web"
+    files = {
+        "page/index.html": "<!doctype html><title>page</title>",
+        "page/app.mjs": "export const app = 1;",
+        "page/style.css": "body {}",
+        "page/.hidden.mjs": "secret",
+        "lib/nested.mjs": "export const nested = 1;",
+        "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs": "export const ort = 1;",
+        "node_modules/onnxruntime-web/dist/ort-wasm-simd-threaded.wasm": b"\0asm\x01\0\0\0",
+        "secret.txt": "not served",
+    }
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
+def make_export(tmp_path: Path) -> Path:
+    """An export folder: manifest.json, its files, files it does not name, a link out of it."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps(MANIFEST))
+    (folder / "nested.fp32.onnx").write_bytes(b"fp32 model bytes")
+    (folder / "nested.int8.onnx").write_bytes(b"int8 model bytes")
+    (folder / "other.onnx").write_bytes(b"not in the manifest")
+    (folder / "notes.txt").write_text("not in the manifest")
+    (tmp_path / "outside.onnx").write_bytes(b"outside the export folder")
+    (folder / "link.onnx").symlink_to(tmp_path / "outside.onnx")
+    return folder
+
+
+def as_it_is(folder: Path) -> dict:
+    """The stand-in export's manifest taken as it is (the real reader wants a real export)."""
+    return json.loads((folder / "manifest.json").read_text())
+
+
+@pytest.fixture
+def web(tmp_path) -> Path:
+    return make_web(tmp_path)
+
+
+@pytest.fixture
+def export(tmp_path) -> Path:
+    return make_export(tmp_path)
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    monkeypatch.setattr(serve, "check_export", as_it_is)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Path:
+    """The folder holding the served web/ and export/ folders."""
+    root = tmp_path_factory.mktemp("served")
+    make_web(root)
+    make_export(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve, "check_export", as_it_is)
+        httpd = serve.make_server(served / "export", port=0, samples=8, web=served / "web")
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def request(httpd, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    """The status, headers and body of a request for ``path`` sent as it is (not normalised)."""
+    host, port = httpd.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    "path, file, content_type",
+    [
+        ("/", "page/index.html", "text/html; charset=utf-8"),
+        ("/index.html", "page/index.html", "text/html; charset=utf-8"),
+        ("/app/app.mjs", "page/app.mjs", "text/javascript; charset=utf-8"),
+        ("/app/style.css", "page/style.css", "text/css; charset=utf-8"),
+        ("/lib/nested.mjs", "lib/nested.mjs", "text/javascript; charset=utf-8"),
+        ("/ort/ort.wasm.min.mjs", "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs", "text/javascript; charset=utf-8"),
+        ("/ort/ort-wasm-simd-threaded.wasm", "node_modules/onnxruntime-web/dist/ort-wasm-simd-threaded.wasm", "application/wasm"),
+        ("/export/manifest.json", "../export/manifest.json", "application/json"),
+        ("/export/nested.fp32.onnx", "../export/nested.fp32.onnx", "application/octet-stream"),
+        ("/export/nested.int8.onnx?v=1", "../export/nested.int8.onnx", "application/octet-stream"),
+    ],
+)
+def test_routes_serve_their_files_with_their_type_cross_origin_isolated(server, served, path, file, content_type):
+    status, headers, body = request(server, path)
+    assert status == 200
+    assert body == (served / "web" / file).read_bytes()
+    assert headers["Content-Type"] == content_type
+    assert headers["Content-Length"] == str(len(body))
+    assert headers["Cross-Origin-Opener-Policy"] == "same-origin"
+    assert headers["Cross-Origin-Embedder-Policy"] == "require-corp"
+    assert headers["Cache-Control"] == "no-store"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/export/other.onnx",  # an .onnx file the manifest does not name
+        "/export/notes.txt",
+        "/export/link.onnx",  # named by the manifest, but a link to a file outside the folder
+        "/export/../outside.onnx",
+        "/export/%2e%2e/outside.onnx",
+        "/export/..%2foutside.onnx",
+        "/export//etc/passwd",
+        "/export/",
+        "/app/../secret.txt",
+        "/app/%2e%2e/secret.txt",
+        "/app/..%2f..%2fexport%2fnested.fp32.onnx",
+        "/app/.hidden.mjs",
+        "/app/",
+        "/lib/../page/index.html",
+        "/ort/../../../../secret.txt",
+        "/ort/%2fetc%2fpasswd",
+        "/secret.txt",
+        "/web/secret.txt",
+        "/..%5csecret.txt",
+    ],
+)
+def test_paths_outside_the_served_files_are_refused(server, path):
+    status, _, body = request(server, path)
+    assert status == 404 and b"not served" not in body and b"outside" not in body
+
+
+def test_head_has_no_body_and_other_methods_are_refused(server):
+    status, headers, body = request(server, "/app/app.mjs", "HEAD")
+    assert status == 200 and body == b"" and headers["Content-Length"] == str(len(b"export const app = 1;"))
+    status, headers, _ = request(server, "/app/app.mjs", "POST")
+    assert status == 405 and headers["Allow"] == "GET, HEAD"
+
+
+def decode(samples: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(samples["data"]), dtype="<f4").reshape(samples["shape"])
+
+
+def test_samples_are_the_digits_test_images_as_the_data_module_prepares_them(server):
+    from nefl_zoo.export.data import load_run_images
+
+    status, headers, body = request(server, "/samples.json")
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    samples = json.loads(body)
+    run = load_run_images({"dataset": "digits"}, SHAPE, train_images=1)
+    assert samples["shape"] == [8, *SHAPE] and samples["count"] == 8 and samples["random"] is False
+    assert samples["dataset"] == "digits" and "digits test split" in samples["source"]
+    assert samples["labels"] == run.labels[:8].tolist()
+    np.testing.assert_array_equal(decode(samples), run.test[:8])
+
+
+@pytest.mark.parametrize(
+    "dataset, why", [("mnist", "the mnist dataset cannot be loaded here"), (None, "the manifest names no dataset")]
+)
+def test_samples_without_a_loadable_dataset_are_seeded_random_inputs(tmp_path, monkeypatch, dataset, why):
+    monkeypatch.chdir(tmp_path)  # no data/ folder: MNIST is not there
+    manifest = {"input": {"shape": [3, 8, 8], "dataset": dataset}}
+    samples = serve.sample_images(manifest, 5)
+    assert samples["random"] is True and samples["labels"] is None and samples["shape"] == [5, 3, 8, 8]
+    assert why in samples["source"]
+    np.testing.assert_array_equal(decode(samples), decode(serve.sample_images(manifest, 5)))  # seeded
+
+
+def invoke(*args) -> tuple[int, str]:
+    result = runner.invoke(app, ["serve", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def one_error(output: str) -> str:
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda tmp: tmp / "missing", "no such export folder"),
+        (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "not a folder"),
+        (lambda tmp: tmp, "no manifest.json (not an export folder"),
+        (lambda tmp: (tmp / "manifest.json").write_text("{not json") and tmp, "manifest.json"),
+        (lambda tmp: (tmp / "manifest.json").write_text('{"schema_version": 99}') and tmp,
+         "schema_version: unsupported version 99"),
+    ],
+)
+def test_a_bad_export_folder_is_one_line_and_exit_2(tmp_path, make, message):
+    code, output = invoke(make(tmp_path), "--port", 0)
+    assert code == 2
+    assert message in one_error(output)
+
+
+def test_a_missing_onnxruntime_web_names_npm_ci(tmp_path, web, export, unchecked, monkeypatch):
+    monkeypatch.setattr(serve, "WEB", web)
+    for file in (web / serve.ORT_DIST).iterdir():
+        file.unlink()
+    code, output = invoke(export, "--port", 0)
+    assert code == 2
+    line = one_error(output)
+    assert "onnxruntime-web is not installed" in line and "cd web && " in line and "npm ci" in line
+
+
+@pytest.mark.parametrize(
+    "args, message", [(["--samples", 0], "--samples: must be >= 1"), (["--port", 70000], "--port: must be in 0..65535")]
+)
+def test_bad_options_are_one_line_and_exit_2(export, args, message):
+    code, output = invoke(export, *args)
+    assert code == 2 and message in one_error(output)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(web, export, unchecked, monkeypatch):
+    monkeypatch.setattr(serve, "WEB", web)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, output = invoke(export, "--port", taken.getsockname()[1])
+    assert code == 2 and "cannot listen" in one_error(output) and "--port 0" in output
+
+
+def test_serve_prints_the_url_and_stops_on_ctrl_c(web, export, unchecked, monkeypatch):
+    monkeypatch.setattr(serve, "WEB", web)
+    served = []
+
+    def interrupted(self, poll_interval=0.5):
+        served.append(serve.url_of(self))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.Server, "serve_forever", interrupted)
+    code, output = invoke(export, "--port", 0)
+    assert code == 0, output
+    assert served and served[0].startswith("http://127.0.0.1:") and f"at {served[0]}" in output
+    assert output.strip().endswith("stopped")
+
