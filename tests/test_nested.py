@@ -172,6 +172,21 @@ def test_onnxruntime_runs_the_same_kernels_for_the_tiers_as_for_their_files(expo
     assert ops["fp16"] == ops["fp32"] and reference["Cast"] > 0
 
 
+def test_every_layer_reads_constants_of_its_own_branch(exports, tmp_path):
+    """After onnxruntime's optimizations no node of a branch reads a top-level initializer: a
+    weight read from the outer graph is not pre-packed (an INT8 QLinearConv repacked its weight
+    on every run, up to 1.9x slower). The full tier takes its weights whole: the case to watch."""
+    nested = exports[3]
+    for precision in PRECISIONS:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"{precision}.onnx")
+        ort.InferenceSession(str(nested / f"nested.{precision}.onnx"), options)
+        model = onnx.load(options.optimized_model_filepath)
+        top = {t.name for t in model.graph.initializer}
+        full = branch(model, 2)
+        assert full.initializer and not [i for n in full.node for i in n.input if i in top], precision
+
+
 def test_int8_weights_are_quantized_once_over_the_full_tensor(exports):
     """The narrow tier's int8 conv weight is a slice of the full tensor's int8 weight, and its
     scales are the full tensor's per-channel scales times the tier's BatchNorm factor."""

@@ -65,10 +65,13 @@ def _sorted(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 
 
 class _Branch:
-    """One tier's branch: its nodes and its own initializers. These stay inside the branch's
-    graph: onnxruntime fuses and re-lays a convolution for fast kernels only when its weight and
-    bias are constants of the graph it runs in (with the tier's biases at the top level, the
-    full tier of a ResNet20 ran 2x slower than its own file)."""
+    """One tier's branch: its nodes and its own initializers. Every tensor a layer of the branch
+    reads is a constant *of the branch's graph*: onnxruntime fuses and pre-packs a layer's
+    weights for its fast kernels only then. So the tier's own tensors are initializers of the
+    branch (at the top level, they made the full tier of a ResNet20 2x slower than its file),
+    and a shared tensor the tier takes whole goes through a one-input ``Concat`` that
+    onnxruntime folds into a branch constant (read from the top level, an INT8 ``QLinearConv``
+    repacked its weight on every run: up to 1.9x slower)."""
 
     def __init__(self, index: int, entry: NestedEntry, shared: Mapping[str, np.ndarray]):
         self.prefix = f"t{index}/"
@@ -143,6 +146,8 @@ class _Branch:
         if cut.pad is not None and list(cut.pad) != shape:
             pads = np.array([0] * len(shape) + [p - n for p, n in zip(cut.pad, shape)], np.int64)
             value = self._node("Pad", [value, self._constant(f"{step}pads", pads)], self.prefix + step + "pad")
+        if value == cut.shared:  # the whole tensor: a one-input Concat, folded into a constant of the branch
+            value = self._node("Concat", [value], self.prefix + step + "whole", axis=0)
         if self.half_weights:
             value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
         self.nodes.append(helper.make_node("Identity", [value], [self.prefix + cut.name], name=self.prefix + cut.name))
