@@ -6,21 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from safetensors.numpy import save
 
 from nefl_zoo.export.nested import Slice, materialize
-
-ARRAYS = {"head.bias": np.arange(3, dtype=np.float32), "~index/head": np.array([0, 2], dtype=np.int64),
-          "~scale/conv": np.ones(4, dtype=np.float32)}
-SLICES = [
-    Slice("conv.weight", "conv.weight", ((0, 4), None, (0, 3), (0, 3)), scale="~scale/conv", dtype="float16", pad=(8, 0, 3, 3)),
-    Slice("head.weight", "head.weight", ((0, 3), "~index/head")),
-]
-
-
-def tier_file(metadata: dict[str, str], arrays=ARRAYS) -> bytes:
-    return save(dict(arrays), metadata=metadata)
-
 
 W = np.arange(30, dtype=np.float32).reshape(2, 5, 3)
 
@@ -50,8 +37,55 @@ def test_a_slice_is_cut_by_ranges_and_index_tensors_scaled_cast_and_padded():
     (Slice("w", "W", (None, (1, 4), None), scale="~s"), {"~s": np.ones(3, np.float32)}, "w: scale ~s is not a tier tensor of 2 values"),
     (Slice("w", "W", (None, (1, 4), None), pad=(2, 2, 3)), {}, "w: pad [2, 2, 3] is smaller than its slice [2, 3, 3]"),
     (Slice("w", "W", (None, None, None), pad=(2, 5)), {}, "w: pad [2, 5] is smaller than its slice [2, 5, 3]"),
+    (Slice("w", "W", (None, None, None), transpose=True), {}, "w: transpose of a 3-D slice (only 2-D slices are transposed)"),
 ])
 def test_a_slice_that_does_not_fit_is_one_line(cut, tier, message):
     with pytest.raises(ValueError) as refused:
         materialize(cut, {"W": W}, tier)
     assert str(refused.value) == message
+
+
+M = np.arange(24, dtype=np.float32).reshape(4, 6) - 7
+
+
+def test_a_2d_slice_is_transposed_before_it_is_padded():
+    cut = Slice("m", "M", ((1, 3), (0, 5)), transpose=True, pad=(6, 3))
+    expected = np.zeros((6, 3), np.float32)
+    expected[:5, :2] = M[1:3, :5].T
+    assert np.array_equal(materialize(cut, {"M": M}, {}), expected)
+
+
+def test_the_nested_models_branch_ops_cut_exactly_what_materialize_proves():
+    """Every form of slice, built as ONNX ops in a branch and run by onnxruntime, gives the
+    array :func:`materialize` gives (the exporter proves slices with materialize)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from nefl_zoo.export.nested import NestedEntry
+    from nefl_zoo.export.nested_model import nested_model
+
+    shared = {"W": W, "M": M, "H": M.astype(np.float16)}
+    tier = {"~i": np.array([4, 0, 2], np.int64), "~s": np.array([2.0, -1.0], np.float32), "~r": np.array([-1], np.int64)}
+    cuts = [
+        Slice("a", "W", ((0, 2), "~i", (1, 3)), scale="~s", pad=(3, 4, 2)),
+        Slice("b", "W", (None, (1, 3), (0, 2))),
+        Slice("c", "M", ((1, 3), (0, 5)), transpose=True, pad=(6, 3)),
+        Slice("d", "M", (None, None)),
+        Slice("e", "H", ((0, 2), None), scale="~s", dtype="float16"),
+    ]
+    flat = [helper.make_node("Reshape", [c.name, "~r"], [f"{c.name}/flat"]) for c in cuts]
+    flat[-1].input[0] = "e/float"
+    nodes = [helper.make_node("Cast", ["e"], ["e/float"], to=TensorProto.FLOAT), *flat,
+             helper.make_node("Concat", [f"{c.name}/flat" for c in cuts] + ["input"], ["logits"], axis=0)]
+    graph = helper.make_graph(nodes, "tier", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None])])
+    tier_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    entry = NestedEntry("t", tier_model, {"~r": tier["~r"], **tier}, ("~r",), tuple(cuts))
+    model = nested_model([entry, entry], shared, {})
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString())
+    expected = np.concatenate([materialize(c, shared, tier).astype(np.float32).ravel() for c in cuts] + [np.zeros(1, np.float32)])
+    for index in (0, 1, -1):
+        out = session.run(None, {"input": np.zeros(1, np.float32), "tier": np.array(index, np.int64)})[0]
+        np.testing.assert_array_equal(out, expected)

@@ -9,7 +9,9 @@ anything the rules below do not prove). The rules:
 
 * FP32: the initializer is the tier's slice map region of a shared tensor, or that region times
   a per-channel factor when a BatchNorm was folded into the layer (PyTorch's factor
-  ``weight * rsqrt(running_var + eps)``, kept with the tier), possibly zero-padded.
+  ``weight * rsqrt(running_var + eps)``, kept with the tier), possibly zero-padded; or a 2-D
+  region transposed, found by value (the exporter's MatMul weight of a Linear layer, under a
+  name of its own).
 * INT8: a weight the quantizer dequantizes per output channel (axis 0) whose FP32 tensor is
   such a slice is replaced by the same region of the *shared* int8 tensor, quantized once per
   output channel over the full global tensor (symmetric, zero point 0); its dequantization
@@ -104,8 +106,8 @@ class SharedTensors:
 class Slice:
     """How one initializer is cut from a shared tensor: per dimension of ``shared`` a
     ``(start, stop)`` range, the name of an int64 index tensor of the tier, or ``None`` (all);
-    then optionally times the tier tensor ``scale`` along axis 0, cast to ``dtype`` and
-    zero-padded to the shape ``pad``."""
+    then optionally times the tier tensor ``scale`` along axis 0, cast to ``dtype``, transposed
+    (2-D) and zero-padded to the shape ``pad``."""
 
     name: str
     shared: str
@@ -113,6 +115,7 @@ class Slice:
     scale: str | None = None
     dtype: str | None = None
     pad: tuple[int, ...] | None = None
+    transpose: bool = False  # a 2-D slice transposed (before the pad): a Linear layer's MatMul weight
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,10 @@ def materialize(cut: Slice, shared: Mapping[str, np.ndarray], tier: Mapping[str,
         array = array.astype(np.float32, copy=False) * factor.astype(np.float32).reshape(-1, *[1] * (array.ndim - 1))
     if cut.dtype is not None:
         array = array.astype(cut.dtype, copy=False)
+    if cut.transpose:
+        if array.ndim != 2:
+            raise ValueError(f"{cut.name}: transpose of a {array.ndim}-D slice (only 2-D slices are transposed)")
+        array = array.T
     if cut.pad is not None:
         if len(cut.pad) != array.ndim or any(p < n for p, n in zip(cut.pad, array.shape)):
             raise ValueError(f"{cut.name}: pad {list(cut.pad)} is smaller than its slice {list(array.shape)}")
@@ -204,6 +211,23 @@ def _fp32_slice(name: str, array: np.ndarray, slice_map: SliceMap, factors: Mapp
         if value.shape == array.shape and np.array_equal(value, array):
             shared.use(key)
             return cut, arrays
+    return None
+
+
+def _transposed_slice(name: str, array: np.ndarray, slice_map: SliceMap,
+                      shared: SharedTensors) -> tuple[Slice, dict[str, np.ndarray]] | None:
+    """The transposed slice that gives exactly the 2-D ``array`` (the exporter's MatMul weight
+    of a Linear layer, under a name of its own), with its tier tensors, else ``None``."""
+    if array.ndim != 2 or array.dtype != np.float32:
+        return None
+    for key, entry in slice_map.items():
+        if tuple(entry.shape) != array.shape[::-1] or (region := _region(slice_map, key)) is None:
+            continue
+        global_key, index, tier = region
+        cut = Slice(name, global_key, index, transpose=True)
+        if np.array_equal(materialize(cut, {global_key: shared.full(global_key)}, tier), array):
+            shared.use(global_key)
+            return cut, tier
     return None
 
 
@@ -273,7 +297,8 @@ def nested_entry(name: str, model: onnx.ModelProto, slice_map: SliceMap, factors
     tier's ``fp32_model`` and the FP32 shared tensors ``fp32_shared``."""
     arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     fp32_arrays = {t.name: numpy_helper.to_array(t) for t in fp32_model.graph.initializer}
-    fp32 = {n: found for n, a in fp32_arrays.items() if (found := _fp32_slice(n, a, slice_map, factors, fp32_shared))}
+    fp32 = {n: found for n, a in fp32_arrays.items()
+            if (found := _fp32_slice(n, a, slice_map, factors, fp32_shared) or _transposed_slice(n, a, slice_map, fp32_shared))}
     if shared.precision == "fp32":
         slices = fp32
     elif shared.precision == "int8":

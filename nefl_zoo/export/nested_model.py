@@ -76,6 +76,7 @@ class _Branch:
     def __init__(self, index: int, entry: NestedEntry, shared: Mapping[str, np.ndarray]):
         self.prefix = f"t{index}/"
         self.initializers: list[onnx.TensorProto] = []
+        self._constants: set[str] = set()
         self.nodes: list[onnx.NodeProto] = []
         graph = entry.graph.graph
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
@@ -103,7 +104,10 @@ class _Branch:
         return self.prefix + OUTPUT_NAME
 
     def _constant(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.asarray(array), self.prefix + name))
+        """The branch initializer ``name`` (added once, however many cuts read it)."""
+        if self.prefix + name not in self._constants:
+            self._constants.add(self.prefix + name)
+            self.initializers.append(numpy_helper.from_array(np.asarray(array), self.prefix + name))
         return self.prefix + name
 
     def _literal(self, name: str, array: np.ndarray) -> None:
@@ -140,9 +144,12 @@ class _Branch:
             factor = tier[cut.scale].astype(np.float32).reshape(-1, *[1] * (len(shape) - 1))
             if source.dtype != np.float32:
                 value = self._node("Cast", [value], self.prefix + step + "float", to=TensorProto.FLOAT)
-            value = self._node("Mul", [value, self._constant(cut.scale, factor)], self.prefix + step + "scaled")
+            value = self._node("Mul", [value, self._constant(f"{step}scale", factor)], self.prefix + step + "scaled")
             if cut.dtype is not None and np.dtype(cut.dtype) != np.float32:
                 value = self._node("Cast", [value], self.prefix + step + "cast", to=_ONNX_TYPES[np.dtype(cut.dtype)])
+        if cut.transpose:
+            value = self._node("Transpose", [value], self.prefix + step + "transposed", perm=[1, 0])
+            shape = shape[::-1]
         if cut.pad is not None and list(cut.pad) != shape:
             pads = np.array([0] * len(shape) + [p - n for p, n in zip(cut.pad, shape)], np.int64)
             value = self._node("Pad", [value, self._constant(f"{step}pads", pads)], self.prefix + step + "pad")
