@@ -32,6 +32,7 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo train specs/train/digits-aligned-quick.yaml --out runs/demo --overwrite
 	$(BIN)/nefl-zoo export runs/demo --out exports/demo
 	$(BIN)/nefl-zoo bench-tiers exports/demo --batch 1
+	$(BIN)/python tools/demo_figure.py exports/demo
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)

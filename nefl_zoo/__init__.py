@@ -6,6 +6,11 @@ needs only numpy and onnxruntime) does not import torch.
 ``nefl_zoo.nest`` is the function :func:`nefl_zoo.nest.nest` (as the README writes it,
 ``nz.nest(module, example_input)``), even once the subpackage of that name is imported: the
 subpackage is reached by importing from it (``from nefl_zoo.nest import NestError``).
+
+This is where the layers are assembled: a layer that serves a higher one is told here which
+loader brings it in (:mod:`nefl_zoo.plugins`), instead of importing it by name. The model
+registry's ``torchvision:`` and ``timm:`` sources are :mod:`nefl_zoo.nest`'s, loaded the first
+time a name of that form is looked up.
 """
 
 from __future__ import annotations
@@ -14,7 +19,17 @@ import importlib
 import sys
 import types
 
+from . import plugins
+
 __version__ = "0.1.0"
+
+
+def _load_nest_sources() -> None:
+    """Import :mod:`nefl_zoo.nest`, which registers the ``torchvision`` and ``timm`` model sources."""
+    import nefl_zoo.nest  # noqa: F401
+
+
+plugins.declare(plugins.MODEL_SOURCES, _load_nest_sources)
 
 _EXPORTS = {
     "create_model": "nefl_zoo.models",

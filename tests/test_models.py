@@ -1,9 +1,23 @@
+import subprocess
+import sys
+
 import pytest
 import timm
 import torch
 import torchvision
 
-from nefl_zoo.models import UnknownModelError, create_model, list_models, load_pretrained, model_info, register_model
+from nefl_zoo.models import (
+    ModelInfo,
+    UnknownModelError,
+    create_model,
+    is_model,
+    list_models,
+    load_pretrained,
+    model_info,
+    register_model,
+    register_source,
+)
+from nefl_zoo.models import registry
 from nefl_zoo.models.pretrained import PretrainedError
 from nefl_zoo.models.registry import _MODELS
 
@@ -35,6 +49,37 @@ def test_registry_keeps_metadata_and_warns_on_a_duplicate_name():
             """Another resnet20."""
             return original.fn(**kwargs)
     assert model_info("resnet20").summary == "Another resnet20."
+
+
+def test_a_prefix_is_resolved_by_the_source_a_higher_layer_registers(monkeypatch):
+    """The registry knows no source itself (``torchvision:`` and ``timm:`` are nest's): a
+    registered resolver answers for its prefix, an unknown prefix is an unknown model."""
+    monkeypatch.setattr(registry, "_SOURCES", dict(registry._SOURCES))
+
+    def toy(name):
+        if name != "toy:small":
+            raise UnknownModelError(f"unknown model {name!r}: no such toy")
+        return ModelInfo(name, lambda **kwargs: create_model("resnet20", **kwargs), __name__, "A toy.")
+
+    register_source("toy", toy)
+    assert is_model("toy:small") and not is_model("toy:big") and not is_model("keras:resnet50")
+    assert create_model("toy:small", num_classes=3).num_classes == 3
+    with pytest.raises(UnknownModelError, match=r"^unknown model 'toy:big': no such toy$"):
+        create_model("toy:big")
+    with pytest.raises(UnknownModelError, match=r"^unknown model 'keras:resnet50'; available: .*resnet20.*, "
+                                                r"timm:NAME, torchvision:NAME, toy:NAME$"):
+        model_info("keras:resnet50")
+
+
+def test_library_names_work_from_the_model_registry_alone_in_a_fresh_process():
+    """``from nefl_zoo.models import create_model`` reaches torchvision:/timm: models without
+    importing nefl_zoo.nest first: the package root declares it, loaded on the first such name."""
+    code = ("import sys; from nefl_zoo.models import is_model, model_info\n"
+            "assert 'nefl_zoo.nest' not in sys.modules\n"
+            "assert is_model('timm:resnet18') and not is_model('torchvision:resnet_nope')\n"
+            "assert model_info('torchvision:resnet18').module == 'nefl_zoo.nest.net'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 @pytest.mark.parametrize("name, depths", [("resnet20", (3, 3, 3)), ("resnet56", (9, 9, 9)), ("resnet110", (18, 18, 18)), ("resnet34", (3, 4, 6, 3))])

@@ -13,6 +13,7 @@ from .registry import (
     list_models,
     model_info,
     register_model,
+    register_source,
 )
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "load_pretrained",
     "model_info",
     "register_model",
+    "register_source",
     "scale_width",
 ]

@@ -2,18 +2,24 @@
 
 An entry point may declare its arguments (``@register_model(args=ResNetArgs)``, a
 :class:`~nefl_zoo.models.args.ModelArgs`); :func:`create_model` then validates them before
-the constructor runs (:func:`check_model_args`)."""
+the constructor runs (:func:`check_model_args`).
+
+Names ``PREFIX:NAME`` (``torchvision:resnet18``, ``timm:vit_tiny_patch16_224``) come from a
+*source* that a higher layer registers (:func:`register_source`; :mod:`nefl_zoo.nest` registers
+``torchvision`` and ``timm``): the registry knows no source itself. The package root declares the
+layers that register sources (:mod:`nefl_zoo.plugins`); the registry loads them the first time
+it meets a prefix it does not know."""
 
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
 
+from .. import plugins
 from .args import ModelArgs, check_args
 
 
@@ -29,6 +35,7 @@ class ModelInfo:
 
 
 _MODELS: dict[str, ModelInfo] = {}
+_SOURCES: dict[str, Callable[[str], ModelInfo]] = {}
 
 
 class UnknownModelError(ValueError):
@@ -57,24 +64,50 @@ def list_models(pattern: str = "*") -> list[str]:
     return sorted(n for n in _MODELS if fnmatch.fnmatch(n, pattern))
 
 
+def register_source(prefix: str, resolve: Callable[[str], ModelInfo]) -> None:
+    """Resolve every model named ``PREFIX:NAME`` with ``resolve(name)`` (the whole name), which
+    returns its :class:`ModelInfo` or raises :class:`UnknownModelError` (warns when it replaces
+    one)."""
+    if prefix in _SOURCES and _SOURCES[prefix] is not resolve:
+        warnings.warn(f"model source {prefix!r} from {resolve.__module__} replaces the one from "
+                      f"{_SOURCES[prefix].__module__}", stacklevel=2)
+    _SOURCES[prefix] = resolve
+
+
+def _source(name: str) -> Callable[[str], ModelInfo] | None:
+    """The resolver of ``name``'s prefix (``None``: no prefix, or none registered for it)."""
+    prefix, sep, _ = name.partition(":")
+    if not sep:
+        return None
+    if prefix not in _SOURCES:
+        plugins.load(plugins.MODEL_SOURCES)
+    return _SOURCES.get(prefix)
+
+
 def is_model(name: str) -> bool:
-    """Whether ``name`` is a registered model, or ``torchvision:NAME`` / ``timm:NAME`` of an
-    existing model (nested automatically, :mod:`nefl_zoo.nest`)."""
-    return name in _MODELS or (":" in name and _nest().exists(name))
-
-
-def _nest():
-    """:mod:`nefl_zoo.nest.sources`, imported by name (it depends on this module)."""
-    return importlib.import_module("nefl_zoo.nest.sources")
+    """Whether ``name`` is a registered model, or ``PREFIX:NAME`` of an existing model of a
+    registered source (``torchvision:NAME`` / ``timm:NAME``: nested automatically, :mod:`nefl_zoo.nest`)."""
+    if name in _MODELS:
+        return True
+    resolve = _source(name)
+    if resolve is None:
+        return False
+    try:
+        resolve(name)
+    except UnknownModelError:
+        return False
+    return True
 
 
 def model_info(name: str) -> ModelInfo:
-    """Registry metadata of a model (``torchvision:NAME`` / ``timm:NAME``: built on demand)."""
-    if name not in _MODELS and ":" in name:
-        return importlib.import_module("nefl_zoo.nest.net").model_info(name)
-    if name not in _MODELS:
-        raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    return _MODELS[name]
+    """Registry metadata of a model (``PREFIX:NAME`` of a registered source: built on demand)."""
+    if name in _MODELS:
+        return _MODELS[name]
+    resolve = _source(name)
+    if resolve is not None:
+        return resolve(name)
+    sources = "".join(f", {prefix}:NAME" for prefix in sorted(_SOURCES))
+    raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(list_models())}{sources}")
 
 
 def check_model_args(name: str, kwargs: dict[str, Any]) -> None:

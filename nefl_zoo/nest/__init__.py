@@ -9,19 +9,35 @@ branch is added to an identity shortcut get a step size and can be removed
 (:mod:`.residual`); each tier is a physically slimmed graph module (:mod:`.slim`) behind the
 zoo's model contract (:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling,
 auto-tier and ONNX export use it unchanged.
+
+Importing this package registers the ``torchvision`` and ``timm`` sources with the model
+registry (:func:`~nefl_zoo.models.registry.register_source`), so ``create_model("timm:NAME")``
+works; the package root declares it as a loader of model sources (:mod:`nefl_zoo.plugins`), so
+every entry point gets them without importing it first.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from .sources import NestError, Source
+from ..models.registry import ModelInfo, register_model, register_source
+from .sources import PREFIXES, NestError, example_shape, user_source
 
 __all__ = ["NestError", "nest"]
+
+
+def _library_model(name: str) -> ModelInfo:
+    """Registry metadata of ``torchvision:NAME`` / ``timm:NAME`` (the source both prefixes register)."""
+    from .net import model_info
+
+    return model_info(name)
+
+
+for _prefix in PREFIXES:
+    register_source(_prefix, _library_model)
 
 
 def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: str | None = None) -> str:
@@ -33,19 +49,13 @@ def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: s
     (copied; ``module`` is not changed). ``name`` defaults to the class name in snake case.
     A module that cannot be nested raises :class:`NestError` naming the construct.
     """
-    from ..models.registry import register_model
     from .net import AutoArgs, build_tier
     from .plan import cached_plan
 
-    shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor) else example_input)
-    if len(shape) != 4 or shape[2] != shape[3]:
-        raise NestError(f"example_input: expected a square (N, C, H, W) input, got {shape}")
+    shape = example_shape(example_input)
     chans, size = shape[1], shape[2]
     name = name or "".join(f"_{c.lower()}" if c.isupper() else c for c in type(module).__name__).lstrip("_")
-    template = copy.deepcopy(module).eval()
-    source = Source(f"module:{name}", lambda: copy.deepcopy(template))
-    with torch.no_grad():
-        classes = template(torch.zeros(1, chans, size, size)).shape[-1]
+    source, classes, template = user_source(module, shape, name)  # a copy: ``module`` is never touched again
     key = (source.name, id(template))
     cached_plan(key, chans, size, lambda: source)  # analyse now: errors surface here
 

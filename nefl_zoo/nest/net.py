@@ -129,7 +129,8 @@ def build_tier(source_key: tuple, make_source: Callable[[], Source], in_chans: i
             if previous is not index and any(type(a) is not type(b) or (isinstance(a, torch.Tensor) and not torch.equal(a, b))
                                              for a, b in zip(previous, index)):
                 raise NestError(f"{key}: two tiers of shape {shape} keep different channels")
-    return AutoNestedNet(gm, plan, keep, steps, num_classes, img_size)
+    net = AutoNestedNet(gm, plan, keep, steps, num_classes, img_size)
+    return net.train()  # in training mode throughout, as every created model, whatever mode a user's module was in
 
 
 def library_entry(name: str) -> Callable[..., AutoNestedNet]:

@@ -8,7 +8,9 @@ torchvision:NAME`` loads weights afterwards through :func:`nefl_zoo.models.load_
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,7 @@ class Source:
     make: Callable[[], nn.Module]  # builds the full network on the current default device
     leaf_types: tuple[type, ...] = ()  # modules traced as one call (beyond torch.nn's own)
     autowrap: tuple[Callable, ...] = ()  # functions recorded as one call
+    output: tuple = ()  # where the logits sit in what forward returns (a key or index per level; () the output itself)
 
 
 @contextlib.contextmanager
@@ -141,6 +144,100 @@ def library_source(name: str, num_classes: int, in_chans: int) -> Source:
     return Source(name, make_timm, tuple(get_notrace_modules()), tuple(get_notrace_functions()))
 
 
+def _outputs(out, path: tuple = (), name: str | None = None):
+    """``(path, name, value)`` of every leaf of a forward's output: tuples, lists, named
+    tuples and dicts followed (``name``: the dict key or named-tuple field holding it)."""
+    if isinstance(out, dict):
+        for key, value in out.items():
+            yield from _outputs(value, (*path, key), str(key))
+    elif isinstance(out, (tuple, list)):
+        fields = getattr(out, "_fields", None)
+        for i, value in enumerate(out):
+            yield from _outputs(value, (*path, i), fields[i] if fields else None)
+    else:
+        yield path, name, out
+
+
+def find_logits(out, model: str) -> tuple[tuple, torch.Tensor]:
+    """``(path, logits)`` of what a user's forward returned: the output itself if a tensor; in a
+    tuple, list or dict the one tensor named ``logits`` (a dict key, a named-tuple field), else
+    the only one of shape (N, classes); anything else refused, naming the outputs."""
+    if isinstance(out, torch.Tensor):
+        return (), out
+    leaves = list(_outputs(out))
+    tensors = [(p, v) for p, name, v in leaves if isinstance(v, torch.Tensor)]
+    named = [(p, v) for p, name, v in leaves if name == "logits" and isinstance(v, torch.Tensor)]
+    flat = [(p, v) for p, v in tensors if v.ndim == 2]
+    for found in (named, flat):
+        if len(found) == 1:
+            return found[0]
+    shown = ", ".join(f"{''.join(f'[{k!r}]' for k in p)}: "
+                      f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}" for p, _, v in leaves[:6])
+    more = f" and {len(leaves) - 6} more" if len(leaves) > 6 else ""
+    raise NestError(f"{model}: forward returns a {type(out).__name__} ({shown}{more}) and no single logits tensor "
+                    "among them; return the logits alone, or name them 'logits' (a dict key or a namedtuple field)")
+
+
+def example_shape(example_input) -> tuple[int, int, int, int]:
+    """The ``(N, C, H, W)`` of :func:`~nefl_zoo.nest.nest`'s example input (a tensor or a
+    shape): whole, positive sizes of a square image, else one line saying what it got."""
+    raw = example_input.shape if isinstance(example_input, torch.Tensor) else example_input
+    try:
+        sizes = list(raw)
+        if any(isinstance(d, bool) for d in sizes):
+            raise TypeError("a bool")
+        shape = tuple(operator.index(d) for d in sizes)
+    except TypeError:
+        raise NestError(f"example_input: expected a tensor or a shape (N, C, H, W) of whole numbers, got {example_input!r}"[:300]) from None
+    if len(shape) != 4 or shape[2] != shape[3]:
+        raise NestError(f"example_input: expected a square (N, C, H, W) input, got {shape}")
+    if min(shape) < 1:
+        raise NestError(f"example_input: expected sizes of at least 1, got {shape}")
+    return shape
+
+
+def user_source(module: nn.Module, shape: tuple[int, int, int, int], name: str) -> tuple[Source, int, nn.Module]:
+    """``(source, classes, template)`` of a user's module: the module copied once as it is now
+    (weights, buffers, training flags; the user's object is never touched again, every tier is a
+    copy of the template), a throwaway copy run once in eval mode on a zero input of ``shape``
+    (a forward that updates buffers changes neither) to find its logits (:func:`find_logits`).
+    A module that cannot be copied, or an input its forward does not take, is one line."""
+    model = type(module).__name__
+    try:
+        template = copy.deepcopy(module)
+        probe = copy.deepcopy(template).eval()
+    except Exception as exc:  # noqa: BLE001 - whatever a module holding a lock, a file or a generator raises
+        raise NestError(f"{model}: cannot be copied ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"[:300]
+                        + "; nesting works on a copy so that it never changes the module") from None
+    like = next((t for t in (*probe.parameters(), *probe.buffers()) if t.is_floating_point()), None)
+    x = torch.zeros(1, *shape[1:], dtype=like.dtype if like is not None else None, device=like.device if like is not None else None)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception as exc:  # noqa: BLE001 - whatever the forward raises on an input of another shape
+        raise NestError(f"example_input: {model} cannot run an input of shape {shape} ({type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0]})"[:300] + "; give the (N, C, H, W) its forward takes") from None
+    path, logits = find_logits(out, model)
+    return Source(f"module:{name}", lambda: copy.deepcopy(template), output=path), int(logits.shape[-1]), template
+
+
+def _select_output(graph: "torch.fx.Graph", path: tuple, model: str) -> None:
+    """Make the traced graph return only the logits at ``path`` of its output (what else it
+    returned, and the layers computing only that, are dropped once it is a graph module)."""
+    import torch.fx as fx
+
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    value = out.args[0]
+    for key in path:
+        if isinstance(value, fx.Node) and value.op == "call_function" and hasattr(value.target, "_fields"):
+            fields = value.target._fields  # the tracer records a named tuple as a call of its class
+            value = (*value.args, *[value.kwargs[f] for f in fields[len(value.args):]])
+        value = value[key]
+    if not isinstance(value, fx.Node):
+        raise NestError(f"{model}: the logits it returns are not computed from its input")
+    out.args = (value,)
+
+
 def _optional_arguments(model: nn.Module) -> dict:
     """``forward``'s optional arguments (a mask, a flag) fixed to their defaults: traced as the
     plain classifier call ``model(x)``."""
@@ -167,12 +264,19 @@ def trace(source: Source, model: nn.Module, leaves: bool = True) -> torch.fx.Gra
                 return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
 
         try:
-            gm = fx.GraphModule(model, Tracer(autowrap_functions=source.autowrap).trace(model, concrete_args=_optional_arguments(model)), type(model).__name__)
+            graph = Tracer(autowrap_functions=source.autowrap).trace(model, concrete_args=_optional_arguments(model))
+            if source.output:  # a user's forward returning several outputs: its logits only
+                _select_output(graph, source.output, source.name)
+            gm = fx.GraphModule(model, graph, type(model).__name__)
             for node in list(gm.graph.nodes):  # shape assertions hold for the full widths only
                 if node.op == "call_function" and getattr(node.target, "__name__", "") in ("_assert", "_assert_async"):
                     gm.graph.erase_node(node)
             gm.graph.eliminate_dead_code()  # and the shape look-ups they read
+            if source.output:
+                gm.delete_all_unused_submodules()  # the layers of the other outputs
             return gm
+        except NestError:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever the network's forward does with proxies
             text = str(exc).strip().splitlines()
             error = f"{source.name}: torch.fx cannot trace it: {type(exc).__name__}: {text[0] if text else ''}"[:300]
