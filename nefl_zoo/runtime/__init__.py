@@ -23,8 +23,8 @@ session's input and output shapes are checked against the manifest's ``input.sha
 measures every entry's latency on the device (:mod:`.latency`).
 
 Modules: ``session`` (hash-checked bytes and sessions), ``tiers`` (:class:`TierRuntime`),
-``nested`` (one file holding every tier), ``wire`` and ``arrays`` (protobuf and safetensors
-read with numpy),
+``nested`` (one file holding every tier), ``wire`` (the protobuf walk that refuses external
+data), ``arrays`` (a safetensors header, for the Flower records),
 ``adaptive`` (the deadline policy), ``latency`` (tables measured on the device).
 """
 
