@@ -6,7 +6,7 @@ Every method is a :class:`Strategy` (Flower-shaped hooks, registered by name in
 runs the hooks in-process and a :class:`~.store.RunStore` owns the run directory.
 """
 
-from .aggregate import Update, check_update, nefedavg
+from .aggregate import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
 from .client import ClientResult, evaluate, fit, learning_rate
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .engine import Engine, RunResult, train
@@ -15,6 +15,6 @@ from .strategy import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply
 
 __all__ = [
     "ClientInfo", "ClientResult", "ConfigError", "Engine", "Instruction", "MethodInfo", "MethodSettings", "Reply", "Run", "RunConfig",
-    "RunResult", "Strategy", "Update", "check_update", "evaluate", "fit", "get_method", "learning_rate", "load_config",
-    "nefedavg", "parse_config", "register_method", "registered_methods", "train",
+    "RunResult", "Strategy", "Sums", "Update", "accumulate", "check_update", "evaluate", "fit", "get_method", "learning_rate", "load_config",
+    "nefedavg", "parse_config", "register_method", "registered_methods", "train", "weighted_mean",
 ]

@@ -55,6 +55,57 @@ def check_update(update: Update) -> str | None:
     return None
 
 
+@dataclass
+class Sums:
+    """Updates in global coordinates: per global key, the weighted sum of the values the accepted
+    updates hold (``total``) and the summed weight per element (``weight``, zero where no update
+    holds the element). A client's own :class:`Sums` is what secure aggregation adds up."""
+
+    total: dict[str, torch.Tensor] = field(default_factory=dict)
+    weight: dict[str, torch.Tensor] = field(default_factory=dict)
+    rejected: list[tuple[int | str, str]] = field(default_factory=list)
+
+
+def accumulate(global_state: Mapping[str, torch.Tensor], updates: list[Update], sums: Sums | None = None) -> Sums:
+    """Add ``updates`` (weighted, scattered into the global shapes) to ``sums`` (new when None).
+
+    Updates that fail :func:`check_update` are logged, listed in ``rejected`` and left out.
+    Sums are float64 for integer tensors and the tensor's own dtype otherwise.
+    """
+    sums = Sums() if sums is None else sums
+    for update in updates:
+        reason = check_update(update)
+        if reason is not None:
+            log.warning("client %s: update rejected: %s", update.client, reason)
+            sums.rejected.append((update.client, reason))
+            continue
+        for key, entry in update.entries.items():
+            gk = entry.global_key
+            if gk not in sums.total:
+                current = global_state[gk]
+                dtype = current.dtype if current.is_floating_point() else torch.float64
+                sums.total[gk] = torch.zeros(current.shape, dtype=dtype)
+                sums.weight[gk] = torch.zeros(current.shape, dtype=dtype)
+            entry.add_(sums.total[gk], update.state[key].to(sums.total[gk].dtype) * update.weight)
+            entry.add_(sums.weight[gk], update.weight)
+    return sums
+
+
+def weighted_mean(global_state: Mapping[str, torch.Tensor], sums: Sums) -> dict[str, torch.Tensor]:
+    """The new global state from ``sums``: each element's weighted mean where some update held
+    it, its previous value elsewhere (integer tensors rounded). Untouched keys keep their objects."""
+    new_state = dict(global_state)
+    for gk, total in sums.total.items():
+        count = sums.weight[gk]
+        held = count > 0
+        mean = total / count.clamp_min(torch.finfo(count.dtype).tiny)
+        current = global_state[gk]
+        if not current.is_floating_point():
+            mean = mean.round()
+        new_state[gk] = torch.where(held, mean.to(current.dtype), current)
+    return new_state
+
+
 def nefedavg(
     global_state: Mapping[str, torch.Tensor], updates: list[Update]
 ) -> tuple[dict[str, torch.Tensor], list[tuple[int | str, str]]]:
@@ -64,32 +115,5 @@ def nefedavg(
     that failed :func:`check_update` (they are logged and left out; the round goes on). Tensors no
     update touches are returned as the same objects; touched ones are new tensors.
     """
-    rejected: list[tuple[int | str, str]] = []
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, torch.Tensor] = {}
-    for update in updates:
-        reason = check_update(update)
-        if reason is not None:
-            log.warning("client %s: update rejected: %s", update.client, reason)
-            rejected.append((update.client, reason))
-            continue
-        for key, entry in update.entries.items():
-            gk = entry.global_key
-            if gk not in sums:
-                current = global_state[gk]
-                dtype = current.dtype if current.is_floating_point() else torch.float64
-                sums[gk] = torch.zeros(current.shape, dtype=dtype)
-                counts[gk] = torch.zeros(current.shape, dtype=dtype)
-            entry.add_(sums[gk], update.state[key].to(sums[gk].dtype) * update.weight)
-            entry.add_(counts[gk], update.weight)
-    new_state = dict(global_state)
-    for gk, total in sums.items():
-        count = counts[gk]
-        held = count > 0
-        mean = total / count.clamp_min(torch.finfo(count.dtype).tiny)
-        current = global_state[gk]
-        if not current.is_floating_point():
-            mean = mean.round()
-        new_state[gk] = torch.where(held, mean.to(current.dtype), current)
-    return new_state, rejected
-
+    sums = accumulate(global_state, updates)
+    return weighted_mean(global_state, sums), sums.rejected
