@@ -4,11 +4,12 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 4 (every field required unless marked nullable or defaulted; every number
-finite); versions 3, 2 (before nested packages) and 1 (before precisions, every entry FP32)
-are read as well, except version 3's nested packages, which are refused (re-export)::
+Schema version 5 (every field required unless marked nullable or defaulted; every number
+finite); versions 4 (before declared file sizes), 3, 2 (before nested packages) and 1 (before
+precisions, every entry FP32) are read as well, except version 3's nested packages, which are
+refused (re-export)::
 
-    schema_version   4 (1, 2 and 3 are still read)
+    schema_version   5 (1, 2, 3 and 4 are still read)
     format           "files" (default: one self-contained .onnx file per entry) or "nested"
                      (one standard .onnx file per precision holding every tier, chosen by its
                      int64 ``tier`` input; see nefl_zoo.runtime.nested)
@@ -26,6 +27,8 @@ are read as well, except version 3's nested packages, which are refused (re-expo
                      "fp16"; default fp32), file (relative to the manifest; nested: the
                      nested model of its precision, shared by its entries), sha256, index
                      (nested only: the entry's ``tier`` input value, 0 .. T-1 per file),
+                     bytes (the file's size, compared with the file before it is read;
+                     required from version 5),
                      params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
                      gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
                      (nullable: what accuracy was measured on; null = the source run's
@@ -61,8 +64,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # 1: before precisions (every entry FP32); 2: before nested packages; 3: packages
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # 1: before precisions (every entry FP32); 2: before nested packages; 3: packages; 4: before bytes
 MANIFEST_NAME = "manifest.json"
 Precision = Literal["fp32", "int8", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -178,6 +181,7 @@ class TierEntry(_Strict):
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     index: Count | None = Field(None, description="nested only: the tier input value that selects this entry")
+    bytes: Count | None = Field(None, description="the file's size, checked before it is read (required from schema 5)")
     params: Count
     params_ratio: NonNegative
     macs: Count
@@ -214,7 +218,7 @@ class TierEntry(_Strict):
 class Manifest(_Strict):
     """All tiers of one exported model."""
 
-    schema_version: Literal[1, 2, 3, 4]
+    schema_version: Literal[1, 2, 3, 4, 5]
     format: Format = "files"
     model: str
     model_args: dict[str, Any]
@@ -252,14 +256,17 @@ class Manifest(_Strict):
         return self
 
     def _check_format(self) -> None:
-        """A nested manifest (version 4) gives every entry its index into the one file of
-        its precision, 0 .. T-1; a files manifest gives none."""
+        """A nested manifest (version 4 on) gives every entry its index into the one file of
+        its precision, 0 .. T-1; a files manifest gives none. From version 5 every entry
+        declares its file's size, one size per file."""
         nested = self.format == "nested"
         if nested and self.schema_version < 4:
             raise field_error("format", f"nested models need schema version 4, got {self.schema_version}")
         files: dict[str, str] = {}
         indices: dict[str, list[int]] = {}
         for t, entry in enumerate(self.tiers):
+            if self.schema_version >= 5 and entry.bytes is None:
+                raise field_error(f"tiers[{t}].bytes", f"required from schema version 5 (the size of {entry.file})")
             if nested != (entry.index is not None):
                 raise field_error(f"tiers[{t}].index", "required for format nested" if nested else "only for format nested")
             if not nested:
@@ -272,6 +279,10 @@ class Manifest(_Strict):
         for precision, found in indices.items():
             if sorted(found) != list(range(len(found))):
                 raise field_error("tiers", f"the {precision} entries' indices are {sorted(found)}; expected 0 .. {len(found) - 1}")
+        sizes: dict[str, int | None] = {}
+        for t, entry in enumerate(self.tiers):
+            if sizes.setdefault(entry.file, entry.bytes) != entry.bytes:
+                raise field_error(f"tiers[{t}].bytes", f"{entry.bytes}, but another entry declares {sizes[entry.file]} for {entry.file}")
 
     def tier(self, name: str, precision: str | None = None) -> TierEntry:
         """The entry of tier ``name`` at ``precision``; without one, the entry labelled

@@ -1,6 +1,7 @@
 """`nefl-zoo export / select / predict / bench-tiers`: outputs and exit codes."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -159,11 +160,16 @@ def test_predict_refuses_unreadable_images_and_unknown_tiers(export_dir, tmp_pat
     assert_one_line_error(invoke("predict", export_dir, image, "--tier", "g0.5"), 2, "unknown tier 'g0.5'; tiers: g0.25, g1")
 
 
-def test_predict_refuses_a_tampered_tier(export_dir, tmp_path, image):
+@pytest.mark.parametrize("tamper, message", [
+    (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], r"nested.fp32.onnx: sha256 \w+\.\.\. does not match"),
+    (lambda data: data + b"\0", r"nested.fp32.onnx: (\d+) bytes, but the manifest declares (\d+) "),
+])
+def test_predict_refuses_a_tampered_tier(export_dir, tmp_path, image, tamper, message):
     copy = shutil.copytree(export_dir, tmp_path / "copy")
-    with open(copy / "nested.fp32.onnx", "ab") as f:
-        f.write(b"\0")
-    assert_one_line_error(invoke("predict", copy, image, "--tier", "g1"), 2, "nested.fp32.onnx: sha256")
+    (copy / "nested.fp32.onnx").write_bytes(tamper((copy / "nested.fp32.onnx").read_bytes()))
+    result = invoke("predict", copy, image, "--tier", "g1")
+    assert_one_line_error(result, 2, "nested.fp32.onnx: ")
+    assert re.search(message, result.stderr), result.stderr
     assert invoke("predict", export_dir, image, "--tier", "g0.25").exit_code == 0
 
 

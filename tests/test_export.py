@@ -130,7 +130,7 @@ def test_each_tier_uses_its_own_inconsistent_parameters(resnet_run):
 def test_manifest_records_costs_accuracy_dataset_and_latency(resnet_run):
     compiled, _, _, manifest = resnet_run
     profiles = {p.name: p for p in profile_tiers(compiled)}
-    assert manifest.schema_version == 4 and manifest.model == "resnet20"
+    assert manifest.schema_version == 5 and manifest.model == "resnet20"
     assert manifest.input.shape == [3, 32, 32] and manifest.input.batch is None
     assert manifest.input.dataset == "cifar10"
     assert manifest.input.normalization.mean == pytest.approx([0.4914, 0.4822, 0.4465])

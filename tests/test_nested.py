@@ -70,18 +70,18 @@ def branch(model: onnx.ModelProto, index: int) -> onnx.GraphProto:
 
 
 def rehash(folder, file):
-    """Record ``file``'s new sha256 in the manifest, as an attacker or a buggy exporter would."""
+    """Record ``file``'s new sha256 and size in the manifest, as an attacker or a buggy exporter would."""
     manifest = json.loads((folder / "manifest.json").read_text())
     for entry in manifest["tiers"]:
         if entry["file"] == file:
-            entry["sha256"] = file_sha256(folder / file)
+            entry.update(sha256=file_sha256(folder / file), bytes=(folder / file).stat().st_size)
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_one_standard_file_per_precision_holds_each_shared_tensor_once(exports):
     compiled, state, files, nested = exports
     manifest = load_manifest(nested)
-    assert manifest.format == "nested" and manifest.schema_version == 4
+    assert manifest.format == "nested" and manifest.schema_version == 5
     assert sorted(p.name for p in nested.iterdir()) == ["manifest.json", *(f"nested.{p}.onnx" for p in sorted(PRECISIONS))]
     model = onnx.load(nested / "nested.fp32.onnx")
     onnx.checker.check_model(model, full_check=True)

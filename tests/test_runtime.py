@@ -105,10 +105,44 @@ def test_tampered_file_is_refused_before_loading(export_copy):
     assert runtime.run(x, "full").shape == (1, 10)  # the other tier is intact
 
 
+@pytest.mark.parametrize("cut", ["truncated", "appended"])
+def test_a_file_of_another_size_than_declared_is_refused_in_one_line(export_copy, cut):
+    path = export_copy / "small.onnx"
+    declared = load_manifest(export_copy).tier("small").bytes
+    assert declared == path.stat().st_size
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] if cut == "truncated" else data + b"\0")
+    with pytest.raises(ManifestError) as info:
+        TierRuntime(export_copy).session("small")
+    size = declared - 1 if cut == "truncated" else declared + 1
+    assert str(info.value) == f"{path}: {size} bytes, but the manifest declares {declared} (truncated, replaced or appended to; re-export it)"
+
+
+def test_a_file_past_two_gib_is_refused_without_reading_it(export_copy):
+    """A sparse 3 GiB file whose size the manifest declares: refused from its size alone."""
+    path = export_copy / "small.onnx"
+    with path.open("r+b") as f:
+        f.truncate(3 * 2**30)
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["tiers"][0]["bytes"] = 3 * 2**30
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"small.onnx: larger than 2 GiB, which no self-contained .onnx file is$"):
+        TierRuntime(export_copy).session("small")
+
+
+def test_entries_of_one_file_declare_one_size(export_copy):
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["tiers"][1].update(file="small.onnx", sha256=manifest["tiers"][0]["sha256"], bytes=7)
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"tiers\[1\].bytes: 7, but another entry declares \d+ for small.onnx$"):
+        TierRuntime(export_copy)
+
+
 def test_corrupt_file_with_a_matching_hash_is_a_clear_error(export_copy):
     (export_copy / "small.onnx").write_bytes(b"not an onnx model")
     manifest = json.loads((export_copy / "manifest.json").read_text())
     manifest["tiers"][0]["sha256"] = file_sha256(export_copy / "small.onnx")
+    manifest["tiers"][0]["bytes"] = len(b"not an onnx model")
     (export_copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="small.onnx: onnxruntime cannot load the model"):
         TierRuntime(export_copy).session("small")
@@ -118,7 +152,8 @@ def test_corrupt_file_with_a_matching_hash_is_a_clear_error(export_copy):
     "edit, message",
     [
         (lambda m: m.pop("schema_version"), "schema_version: required key is missing"),
-        (lambda m: m.update(schema_version=5), r"schema_version: unsupported version 5 \(this nefl-zoo reads 1, 2, 3 and 4; re-export or upgrade nefl-zoo\)"),
+        (lambda m: m.update(schema_version=6), r"schema_version: unsupported version 6 \(this nefl-zoo reads 1, 2, 3, 4 and 5; re-export or upgrade nefl-zoo\)"),
+        (lambda m: m["tiers"][1].pop("bytes"), r"tiers\[1\].bytes: required from schema version 5 \(the size of full.onnx\)"),
         (lambda m: m["tiers"][1].pop("sha256"), r"tiers\[1\].sha256: required key is missing"),
         (lambda m: m["input"].update(shape="32x32"), r"input.shape: Input should be a valid list"),
         (lambda m: m.update(tiers=[]), "tiers: List should have at least 1 item"),
@@ -235,6 +270,11 @@ def test_a_symlink_inside_the_export_folder_is_followed(exported, export_copy):
     np.testing.assert_allclose(TierRuntime(export_copy).run(x, "small"), small_logits(exported, x), atol=1e-4)
 
 
+def described(path):
+    """What a manifest entry declares of the file at ``path``: its sha256 and size."""
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+
+
 def edit_manifest(directory, edit):
     manifest = json.loads((directory / "manifest.json").read_text())
     edit(manifest)
@@ -287,7 +327,7 @@ def test_a_tier_with_other_inputs_than_the_manifests_is_refused(export_copy, inp
     graph = helper.make_graph(nodes, "g", values, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(model, export_copy / "small.onnx")
-    edit_manifest(export_copy, lambda m: m["tiers"][0].update(sha256=file_sha256(export_copy / "small.onnx")))
+    edit_manifest(export_copy, lambda m: m["tiers"][0].update(**described(export_copy / "small.onnx")))
     with pytest.raises(ManifestError, match=f"^{re.escape(str(export_copy / 'manifest.json'))}: input.name: 'input', but small.onnx takes {takes}$"):
         TierRuntime(export_copy).session("small")
 
@@ -538,7 +578,7 @@ def hand_tier(directory, input_shape, output_shape, batch=None):
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, input_shape)],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, output_shape)])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), directory / "small.onnx")
-    edit_manifest(directory, lambda m: (m["tiers"][0].update(sha256=file_sha256(directory / "small.onnx")), m["input"].update(batch=batch)))
+    edit_manifest(directory, lambda m: (m["tiers"][0].update(**described(directory / "small.onnx")), m["input"].update(batch=batch)))
 
 
 def test_a_fixed_batch_tier_must_match_the_manifests_batch(export_copy):
@@ -628,7 +668,7 @@ def test_a_load_reads_its_tier_file_once_and_runs_those_bytes(exported, export_c
     assert len(opens) == 1
     np.testing.assert_allclose(runtime.run(x, "small"), expected, atol=1e-4)  # the cached session
     assert len(opens) == 1
-    with pytest.raises(ManifestError, match=r"small.onnx: sha256 .* does not match the manifest's"):
+    with pytest.raises(ManifestError, match=r"small.onnx: \d+ bytes, but the manifest declares \d+"):  # sizes differ
         TierRuntime(export_copy).session("small")
     assert len(opens) == 2
 
@@ -649,7 +689,7 @@ def test_a_tier_with_external_data_is_refused_by_every_command_whatever_the_work
     onnx.external_data_helper.convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
     onnx.save_model(model, str(export_copy / "small.onnx"))
     assert (export_copy / "weights.bin").exists()
-    edit_manifest(export_copy, lambda m: m["tiers"][0].update(sha256=file_sha256(export_copy / "small.onnx")))
+    edit_manifest(export_copy, lambda m: m["tiers"][0].update(**described(export_copy / "small.onnx")))
     Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "x.png")
     commands = [
         ["predict", str(export_copy), str(tmp_path / "x.png"), "--tier", "small"],

@@ -260,8 +260,9 @@ def export_tiers(
         def entry(name: str, file: PrecisionFile, exported: _ExportedTier, latency: float, measured: float | None,
                   **nested) -> TierEntry:
             prof = profiles[name]
+            size = file.model_bytes or (folder / file.file).stat().st_size  # nested: its entry gets the package's
             return TierEntry(
-                name=name, precision=file.precision, file=file.file, sha256=file.sha256, **nested,
+                name=name, precision=file.precision, file=file.file, sha256=file.sha256, bytes=size, **nested,
                 params=prof.params, params_ratio=prof.params_ratio, macs=prof.macs, macs_ratio=prof.macs_ratio,
                 gamma=prof.gamma, gamma_w=prof.gamma_w, blocks_per_stage=prof.blocks_per_stage,
                 accuracy=measured if measured is not None or file.precision != "fp32" else source.accuracy.get(name),
@@ -272,7 +273,7 @@ def export_tiers(
                 max_abs_diff=file.agreement.max_abs_diff if file.agreement else exported.max_abs_diff,
                 vs_fp32=file.agreement,
                 calibration=file.calibration,
-                weights_mb=(file.model_bytes or (folder / file.file).stat().st_size) / 2**20,
+                weights_mb=size / 2**20,
                 activation_mb_per_sample=file.activation_bytes_per_sample / 2**20,
                 latency=exported.latency.model_copy(update={"median_ms": latency}),
             )
@@ -317,7 +318,8 @@ def _nested_entries(package: PackageWriter, folder: Path, made: list, entry: Cal
     latencies = interleaved_median_ms(calls, runs, warmup_rounds=2)
     return [
         draft.model_copy(update={
-            "file": nested[key[1]].file.file, "sha256": nested[key[1]].file.sha256, "index": index[key],
+            "file": nested[key[1]].file.file, "sha256": nested[key[1]].file.sha256, "bytes": nested[key[1]].file.bytes,
+            "index": index[key],
             "latency": draft.latency.model_copy(update={"median_ms": latencies[key]}),
         })
         for key, draft in drafts.items()

@@ -19,12 +19,15 @@ CPU_PROVIDER = "CPUExecutionProvider"
 MAX_TIER_BYTES = 2**31  # protobuf's limit: a self-contained .onnx file is never larger
 
 
-def read_tier(path: str | Path, sha256: str, root: str | Path | None = None) -> bytes:
+def read_tier(path: str | Path, sha256: str, root: str | Path | None = None, size: int | None = None) -> bytes:
     """The bytes of a tier file, read once and checked against ``sha256``.
 
     With ``root`` (the manifest's folder), the path, resolved through every symlink, must lie
-    inside it. Raises :class:`ManifestError` naming the file when it is missing, outside
-    ``root``, not a regular file, too large or does not match the hash.
+    inside it. The file's size is checked before a byte is read: against ``size`` (the
+    manifest's declared bytes) when given, and against the 2 GiB that no self-contained
+    .onnx file exceeds. Raises :class:`ManifestError` naming the file when it is missing,
+    outside ``root``, not a regular file, of another size or too large, or does not match
+    the hash.
     """
     path = Path(path)
     if root is not None:
@@ -42,13 +45,21 @@ def read_tier(path: str | Path, sha256: str, root: str | Path | None = None) -> 
         raise ManifestError(str(path), "", "tier file is missing (re-export the model)") from None
     except OSError as exc:
         raise ManifestError(str(path), "", f"cannot read the tier file ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before fdopen, which refuses a directory itself
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which refuses a directory itself
+        problem = "not a regular file"
+    elif size is not None and info.st_size != size:
+        problem = f"{info.st_size} bytes, but the manifest declares {size} (truncated, replaced or appended to; re-export it)"
+    elif info.st_size > MAX_TIER_BYTES:
+        problem = "larger than 2 GiB, which no self-contained .onnx file is"
+    if problem:
         os.close(fd)
-        raise ManifestError(str(path), "", "not a regular file")
+        raise ManifestError(str(path), "", problem)
     with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_TIER_BYTES + 1)
-    if len(data) > MAX_TIER_BYTES:
-        raise ManifestError(str(path), "", "larger than 2 GiB, which no self-contained .onnx file is")
+        data = f.read(min(info.st_size, MAX_TIER_BYTES) + 1)  # one byte more: a file that grew since is seen
+    if len(data) != info.st_size:
+        raise ManifestError(str(path), "", f"changed while it was read (not {info.st_size} bytes any more; stop what writes it)")
     actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
         raise ManifestError(
@@ -83,11 +94,12 @@ def create_session(
     providers: tuple[str, ...] = (CPU_PROVIDER,),
     threads: int | None = None,
     root: str | Path | None = None,
+    size: int | None = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session for the tier file ``path``: read once (:func:`read_tier`, inside
-    ``root`` when given), checked against ``sha256``, and those bytes loaded; ``threads``
-    caps onnxruntime's intra-op threads (default: one per physical core)."""
-    return session_from_bytes(read_tier(path, sha256, root), str(path), providers, threads)
+    ``root`` when given, of ``size`` bytes when given), checked against ``sha256``, and those
+    bytes loaded; ``threads`` caps onnxruntime's intra-op threads (default: one per physical core)."""
+    return session_from_bytes(read_tier(path, sha256, root, size), str(path), providers, threads)
 
 
 def check_self_contained(model: bytes, source: str) -> None:

@@ -91,7 +91,7 @@ class TierRuntime:
         entry = self.manifest.tier(tier, precision)
         if entry.file not in self._sessions:
             path = self.root / entry.file
-            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root)
+            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes)
             self._check_io(session, str(path))
             self._sessions[entry.file] = session
         session = self._sessions[entry.file]

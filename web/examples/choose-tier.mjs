@@ -7,7 +7,7 @@ import { AdaptivePolicy, Candidate, Deadline } from "nefl-zoo-web/policy";
 const dir = process.argv[2] ?? process.env.NEFL_EXPORT_DIR;
 const manifest = JSON.parse(readFileSync(`${dir}/manifest.json`, "utf8"));
 const tiers = manifest.tiers.filter((e) => e.precision === "fp32");
-const model = await loadNestedModel(ort, readFileSync(`${dir}/${tiers[0].file}`), { sha256: tiers[0].sha256 });
+const model = await loadNestedModel(ort, readFileSync(`${dir}/${tiers[0].file}`), { sha256: tiers[0].sha256, size: tiers[0].bytes });
 const policy = new AdaptivePolicy(tiers.map((e) => new Candidate({ label: e.name, accuracy: e.accuracy, macs: e.macs,
   expectedMs: e.latency.median_ms })), new Deadline({ ms: 20 }));
 const image = new Float32Array(manifest.input.shape.reduce((a, b) => a * b)); // your preprocessed image here

@@ -3,7 +3,7 @@
  * with onnxruntime: pass `onnxruntime-node` in Node or `onnxruntime-web` in a browser.
  * No Node-only imports: bytes in, sessions out.
  *
- *   const model = await loadNestedModel(ort, bytes, { sha256: entry.sha256 });
+ *   const model = await loadNestedModel(ort, bytes, { sha256: entry.sha256, size: entry.bytes });
  *   const { logits, dims } = await model.run("g0.6", images, batch);
  */
 
@@ -99,10 +99,13 @@ export function loadManifestEntry(manifest, label) {
   return entry;
 }
 
-/** The nested files of a manifest: `{file, precision, sha256}` per precision, in table order. */
+/** The nested files of a manifest: `{file, precision, sha256, size}` per precision, in table
+ * order (`size`: the declared bytes, null before schema 5). */
 export function manifestFiles(manifest) {
   const files = new Map();
-  for (const e of manifest.tiers) if (!files.has(e.file)) files.set(e.file, { file: e.file, precision: e.precision, sha256: e.sha256 });
+  for (const e of manifest.tiers) {
+    if (!files.has(e.file)) files.set(e.file, { file: e.file, precision: e.precision, sha256: e.sha256, size: e.bytes ?? null });
+  }
   return [...files.values()];
 }
 
@@ -147,10 +150,15 @@ export class NestedModel {
   }
 }
 
-/** A NestedModel from the bytes of a nested `.onnx` file. When `sha256` (hex) is given the
- * bytes are checked first: a mismatch throws before any session is created. */
-export async function loadNestedModel(ort, bytes, { sha256, sessionOptions } = {}) {
+/** A NestedModel from the bytes of a nested `.onnx` file. When `size` (the manifest's
+ * `bytes`) and `sha256` (hex) are given the bytes are checked first, the size before the hash:
+ * a mismatch throws before any session is created. */
+export async function loadNestedModel(ort, bytes, { sha256, size, sessionOptions } = {}) {
   const data = toBytes(bytes);
+  if (size != null && data.length !== size) {
+    throw new Error(`size mismatch: the manifest declares ${size} bytes, got ${data.length}: ` +
+      "the file was truncated, replaced or appended to; refusing to load it");
+  }
   if (sha256 != null) {
     const actual = await sha256Hex(data);
     if (actual !== String(sha256).toLowerCase()) {

@@ -136,7 +136,7 @@ async function loadModel(precision) {
         `re-exported without its manifest; refusing to run it`,
     );
   }
-  const nested = await loadNestedModel(ort, bytes, { sha256 });
+  const nested = await loadNestedModel(ort, bytes, { sha256, size: mine[0].bytes });
   for (const entry of mine) {
     const tier = nested.tiers.find((t) => t.index === entry.index);
     if (!tier || tier.name !== entry.name) {

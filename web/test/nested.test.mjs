@@ -27,10 +27,11 @@ test("every nested file: sha256, tier table and logits of every tier as in Pytho
   const files = manifestFiles(manifest);
   assert.ok(files.some((f) => f.precision === "fp32"), "the export has an fp32 file");
   assert.deepEqual(Object.keys(CASES).sort(), manifest.tiers.map(entryLabel).sort(), "a case per manifest label");
-  for (const { file, precision, sha256 } of files) {
+  for (const { file, precision, sha256, size } of files) {
     const bytes = readFileSync(join(DIR, file));
     assert.equal(await sha256Hex(bytes), sha256, `${file}: sha256`);
-    const model = await loadNestedModel(ort, bytes, { sha256 });
+    assert.equal(bytes.length, size, `${file}: declared bytes`);
+    const model = await loadNestedModel(ort, bytes, { sha256, size });
     const entries = manifest.tiers.filter((e) => e.file === file);
     assert.equal(model.metadata.precision, precision);
     assert.deepEqual(model.tiers.map((t) => [t.index, t.name, t.params, t.macs, t.accuracy]),
@@ -50,8 +51,8 @@ test("every nested file: sha256, tier table and logits of every tier as in Pytho
   }
 });
 
-test("a tampered file is refused before any session is created", { skip: SKIP }, async () => {
-  const { file, sha256 } = manifestFiles(manifest)[0];
+test("a tampered, truncated or appended file is refused before any session is created", { skip: SKIP }, async () => {
+  const { file, sha256, size } = manifestFiles(manifest)[0];
   const bytes = readFileSync(join(DIR, file));
   bytes[bytes.length >> 1] ^= 0x01;
   let created = 0;
@@ -62,8 +63,16 @@ test("a tampered file is refused before any session is created", { skip: SKIP },
     return true;
   });
   assert.equal(created, 0);
-  bytes[bytes.length >> 1] ^= 0x01; // restored: the same spy creates its session
-  await loadNestedModel(spy, bytes, { sha256 });
+  bytes[bytes.length >> 1] ^= 0x01; // restored
+  for (const cut of [bytes.subarray(0, -1), Buffer.concat([bytes, Buffer.of(0)])]) { // truncated, appended to
+    await assert.rejects(loadNestedModel(spy, cut, { sha256, size }), (err) => {
+      assert.equal(err.message.split("\n").length, 1);
+      assert.ok(err.message.startsWith(`size mismatch: the manifest declares ${size} bytes, got ${cut.length}`), err.message);
+      return true;
+    });
+  }
+  assert.equal(created, 0); // the same spy creates its session on the intact bytes
+  await loadNestedModel(spy, bytes, { sha256, size });
   assert.equal(created, 1);
 });
 
