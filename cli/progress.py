@@ -9,6 +9,7 @@ class RichProgress:
     Use it as a context manager, so the bar is closed even when the run is interrupted."""
 
     bar = None
+    epsilon = None  # the last round's cumulative epsilon of a private run (aggregation.dp)
 
     def __enter__(self) -> "RichProgress":
         return self
@@ -28,7 +29,9 @@ class RichProgress:
 
     def round(self, record: dict, last_eval: dict) -> None:
         acc = f" worst {last_eval['worst']:.3f} avg {last_eval['avg']:.3f}" if last_eval else ""
-        self.bar.update(self.task, advance=1, description=f"{self.title} round {record['round']} loss {record['train_loss']:.3f}{acc}")
+        self.epsilon = record.get("epsilon", self.epsilon)
+        eps = f" epsilon {self.epsilon:.3g}" if self.epsilon is not None else ""
+        self.bar.update(self.task, advance=1, description=f"{self.title} round {record['round']} loss {record['train_loss']:.3f}{acc}{eps}")
 
     def end(self, engine, result) -> None:
         from rich.table import Table
@@ -48,3 +51,7 @@ class RichProgress:
         out = console()
         out.print(table)
         out.print(f"communication: {result.bytes_down / 1e6:.1f} MB down, {result.bytes_up / 1e6:.1f} MB up; run dir {engine.out}")
+        dp = engine.config.aggregation.dp
+        if dp is not None and self.epsilon is not None:
+            out.print(f"privacy: ({self.epsilon:.3g}, {dp.delta:g})-DP for each client after {result.rounds} rounds "
+                      f"(noise multiplier {dp.noise_multiplier:g}, sampling rate {engine.config.clients.fraction:g})")

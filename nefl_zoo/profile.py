@@ -154,16 +154,16 @@ def macs_by_module(model: nn.Module, input_size: tuple[int, ...], depth: int = 2
     return {k: int(v) for k, v in counts.items() if (k.count(".") + 1 if k else 0) <= depth}
 
 
-def peak_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
-    """Largest working set of one module (its input plus output tensors) on one input of shape
-    ``input_size``: a lower bound of the memory a forward pass needs per sample."""
-    peak = 0
+def leaf_tensor_bytes(model: nn.Module, input_size: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(input bytes, output bytes) of every leaf module call in one eval forward pass of a zero
+    input of shape ``input_size`` (batch 1)."""
+    calls = []
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def hook(module, inputs, output) -> None:
-        nonlocal peak
-        tensors = [t for t in (*inputs, *(output if isinstance(output, (tuple, list)) else (output,)))
-                   if isinstance(t, torch.Tensor)]
-        peak = max(peak, sum(t.numel() * t.element_size() for t in tensors))
+        calls.append((nbytes(inputs), nbytes(output if isinstance(output, (tuple, list)) else (output,))))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     try:
@@ -172,6 +172,13 @@ def peak_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
     finally:
         for handle in handles:
             handle.remove()
+    return calls
+
+
+def peak_activation_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
+    """Largest working set of one module (its input plus output tensors) on one input of shape
+    ``input_size``: a lower bound of the memory a forward pass needs per sample."""
+    peak = max((i + o for i, o in leaf_tensor_bytes(model, input_size)), default=0)
     return max(peak, 4 * math.prod(input_size))
 
 

@@ -6,7 +6,6 @@ Every method's simulation against the embedded engine, and resume with per-clien
 
 import dataclasses
 import math
-import uuid
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from nefl_zoo.fl.flower.nodes import node_levels  # noqa: E402
 from nefl_zoo.fl.flower.records import read_reply, reply_content, tensor_bytes, to_state  # noqa: E402
 
 from .conftest import assert_equal_tensors, records, same_tensors, tiny  # noqa: E402
-from .support.flower import nbytes  # noqa: E402
+from .support.flower import InProcessGrid, nbytes  # noqa: E402
 
 torch.set_num_threads(1)
 TIERS = ["g0.25", "g0.5", "g1"]
@@ -62,40 +61,6 @@ def test_a_node_builds_the_method_and_its_data_at_setup_not_in_its_first_round(s
     assert not reply.has_error() and dict(reply.content.config_records[NODE])["partition-id"] == 1
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["run run-2 could not be set up on this node (its first message will fail)"]
     assert flower_client._method.cache_info().currsize == 1
-
-
-class InProcessGrid:
-    """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp right
-    away with its node's Context (no Ray, no processes). ``faults`` maps a node id to a function
-    of (ClientApp's reply, sent message) giving the ``train`` reply delivered instead (None: none)."""
-
-    def __init__(self, num_nodes: int, faults=None):
-        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config={"partition-id": i, "num-partitions": num_nodes},
-                                           state=RecordDict(), run_config={}) for i in range(num_nodes)}
-        self.faults = faults or {}
-        self.pushed: list[Message] = []
-        self.answers: dict[str, Message] = {}  # what each node's ClientApp answered, by message id
-        self.replies: dict[str, Message] = {}  # what is delivered
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            node = message.metadata.dst_node_id
-            answer = self.answers[message.metadata.message_id] = client_app(message, self.contexts[node])
-            fault = self.faults.get(node) if message.metadata.message_type == "train" else None
-            reply = fault(answer, message) if fault else answer
-            if reply is not None:
-                self.replies[message.metadata.message_id] = reply
-            self.pushed.append(message)
-            ids.append(message.metadata.message_id)
-        return ids
-
-    def pull_messages(self, message_ids):
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
 
 
 def error(answer, sent):

@@ -541,6 +541,6 @@ def test_compare_preset_nefl_table1_runs_every_row_with_its_macs_per_client_roun
     assert float(rows["NeFL-W"]) < float(rows["FedAvg (full model)"]) and all(float(v) > 0 for v in rows.values())
     args = ["compare", "specs/train/digits-table1.yaml", "--out", str(tmp_path / "cli")]
     for extra, start in ((["--preset", "nefl-table1", "--methods", "nefl"], "error: --preset: give --preset or --methods, not both"),
-                         (["--preset", "table9"], "error: --preset: expected nefl-table1, got 'table9'")):
+                         (["--preset", "table9"], "error: --preset: expected nefl-table1, time-to-accuracy, got 'table9'")):
         refused = CliRunner().invoke(app, args + extra)
         assert refused.exit_code == 2 and refused.output.startswith(start), refused.output

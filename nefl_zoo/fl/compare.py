@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .bn import BN_TREATMENTS
-from .config import RunConfig, parse_config
+from .config import RunConfig, apply_overrides, parse_config
 from .engine import Engine, RunObserver, RunResult
 from .registry import get_method
 
@@ -28,7 +28,7 @@ class Entry:
     """One row of a comparison: a method (optionally one of its variants, ``variant``, and further
     ``method_args``), optionally on its own spec file; ``fixed_steps`` freezes every tier's step sizes (the NeFL paper's N/L);
     ``config_model_args`` keeps the config's ``model_args`` (input size, channels) with the spec's
-    tiers; ``name`` replaces the table label."""
+    tiers; ``name`` replaces the table label; ``overrides`` sets config keys (``{"devices.policy": "wait_all"}``)."""
 
     key: str
     method: str
@@ -38,6 +38,7 @@ class Entry:
     config_model_args: bool = False
     name: str | None = None
     method_args: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -94,8 +95,20 @@ def nefl_table1(config: RunConfig) -> list[Entry]:
     return rows
 
 
+def time_entries(config: RunConfig) -> list[Entry]:
+    """Time to accuracy (``devices:``): NeFL, HeteroFL, FjORD (NeFL's) on the config's spec, DepthFL (NeFL's) on the
+    model's D spec, FedAvg waiting for every online client (``wait_all``) and on full-model clients only."""
+    from ..spec import resolve_spec_path
+
+    depth = resolve_spec_path(f"{config.submodel_spec().model}/nefl-d").resolve()
+    return [Entry("nefl", "nefl"), Entry("heterofl", "heterofl"), Entry("fjord-nefl", "fjord", variant="nefl", name="FjORD (NeFL's)"),
+            Entry("depthfl-nefl", "depthfl", depth, "nefl", config_model_args=True, name="DepthFL (NeFL's)"),
+            Entry("fedavg-wait", "fedavg", name="FedAvg (waits for everyone)", overrides={"devices.policy": "wait_all", "devices.tiers": "environment"}),
+            Entry("fedavg-full", "fedavg_full", name="FedAvg (full-model clients)")]
+
+
 #: ``compare --preset NAME``: the entries of a named comparison for a config
-PRESETS: dict[str, Callable[[RunConfig], list[Entry]]] = {"nefl-table1": nefl_table1}
+PRESETS: dict[str, Callable[[RunConfig], list[Entry]]] = {"nefl-table1": nefl_table1, "time-to-accuracy": time_entries}
 
 
 def entry_config(config: RunConfig, entry: Entry, seed: int) -> RunConfig:
@@ -103,9 +116,9 @@ def entry_config(config: RunConfig, entry: Entry, seed: int) -> RunConfig:
     from ..spec import load_spec
 
     cfg = config.with_method(entry.method, seed)
-    if entry.spec is None and entry.variant is None and not entry.fixed_steps and not entry.method_args:
+    if entry.spec is None and entry.variant is None and not entry.fixed_steps and not entry.method_args and not entry.overrides:
         return cfg
-    data = cfg.to_dict()
+    data = apply_overrides(cfg.to_dict(), [f"{k}={v}" for k, v in entry.overrides.items()], f"{config.name}:{entry.key}")
     if entry.variant is not None or entry.method_args:
         data["method_args"] = ({"variant": entry.variant} if entry.variant is not None else {}) | entry.method_args
     spec = load_spec(entry.spec).model_dump(mode="json", exclude_none=True) if entry.spec is not None else data["spec"]
@@ -215,15 +228,18 @@ def curves(out: Path, entries: list[Entry], runs: dict[str, list[RunResult]], se
     """Per entry, the evaluated rounds and the worst-case accuracy (%, :func:`worst_case`) per seed and round."""
     out_curves = {}
     for e in entries:
-        per_seed = []
-        for seed, result in zip(seeds, runs[e.key]):
-            records = [json.loads(line) for line in (out / e.key / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
-            evals = [r for r in records if "acc" in r]
-            per_seed.append([(r["round"], 100 * worst_case(result, {t: r.get("extra", {}).get(f"{treatment}/{t}", a) for t, a in r["acc"].items()}))
-                             for r in evals])
+        per_seed = [[(r["round"], a) for r, a in worst_points(out / e.key / f"seed{seed}", result, treatment)]
+                    for seed, result in zip(seeds, runs[e.key])]
         rounds = np.array([r for r, _ in per_seed[0]])
         out_curves[e.key] = (rounds, np.array([[a for _, a in s] for s in per_seed]))
     return out_curves
+
+
+def worst_points(run_dir: Path, result: RunResult, treatment: str) -> list[tuple[dict, float]]:
+    """Every evaluated round's record of a run (``metrics.jsonl``) and its worst-case accuracy (%, :func:`worst_case`) under ``treatment``."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r, 100 * worst_case(result, {t: r.get("extra", {}).get(f"{treatment}/{t}", a) for t, a in r["acc"].items()}))
+            for r in records if "acc" in r]
 
 
 def flatness(curve: tuple[np.ndarray, np.ndarray], test_images: int, window: int = 5) -> tuple[float, float]:
@@ -320,14 +336,14 @@ def plot_comparison(config: RunConfig, entries: list[Entry], runs: dict[str, lis
 
 def compare_methods(
     config: RunConfig, methods: list[str | Entry], seeds: int, out: str | Path, observer: Callable[[], RunObserver] | None = None,
-    jobs: int = 1, threads: int | None = None, reuse: bool = False, plot: bool = True,
+    jobs: int = 1, threads: int | None = None, reuse: bool = False, plot: bool = True, target: float | None = None,
 ) -> Comparison:
     """Train every entry (an :class:`Entry` or its text, :func:`parse_entry`) with seeds
     ``config.seed .. config.seed + seeds - 1`` into ``out/KEY/seedN``, ``jobs`` runs at a time
     (more than one: each in its own process with ``threads`` torch threads, no observer). Every
     run evaluates both BN treatments. With ``reuse``, a run whose ``summary.json`` exists is read,
     not trained again (an interrupted comparison goes on where it stopped). ``plot``: also draw
-    ``comparison.png``.
+    ``comparison.png``. With ``devices:``, also the time to ``target`` accuracy (:func:`report`).
 
     The config's ``method_args`` apply to its own method; the other methods use their defaults
     (an entry's ``variant`` sets theirs). ``observer`` makes one observer per run (e.g. a progress bar)."""
@@ -350,7 +366,7 @@ def compare_methods(
             engine = Engine(cfg, out / k[0] / f"seed{k[1]}")
             results[k] = engine.run(overwrite=True, observer=observer() if observer else None)
     runs = {e.key: [results[(e.key, config.seed + s)] for s in range(seeds)] for e in entries}
-    return report(config, entries, runs, out, plot)
+    return report(config, entries, runs, out, plot, target)
 
 
 def load_runs(config: RunConfig, methods: list[str | Entry], seeds: int, out: str | Path) -> dict[str, list[RunResult]]:
@@ -362,12 +378,20 @@ def load_runs(config: RunConfig, methods: list[str | Entry], seeds: int, out: st
     return runs
 
 
-def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: str | Path, plot: bool = True) -> Comparison:
-    """Write ``results.md``, ``results.json`` and (with ``plot``) ``comparison.png`` for finished runs into ``out``."""
+def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResult]], out: str | Path, plot: bool = True,
+           target: float | None = None) -> Comparison:
+    """Write ``results.md``, ``results.json``, (``plot``) ``comparison.png`` and the time to ``target`` accuracy (``devices:``) into ``out``."""
     out = Path(out)
     seeds = [config.seed + s for s in range(len(next(iter(runs.values()))))]
     macs = {e.key: client_round_macs(config, e, seeds, out) for e in entries}
     markdown = results_table(config, entries, runs, macs)
+    if config.devices is not None:  # the time to target accuracy on the simulated clock
+        from .time_to_accuracy import time_report
+
+        dirs, treatment = {e.key: [out / e.key / f"seed{s}" for s in seeds] for e in entries}, treatments(runs)[0]
+        points = {e.key: [worst_points(d, r, treatment) for d, r in zip(dirs[e.key], runs[e.key])] for e in entries}
+        markdown += time_report({e.key: e.label for e in entries}, points, dirs, treatment, target, out, plot,
+                                f"{config.submodel_spec().model} on {config.data.dataset}: accuracy against simulated time")
     results_md, figure = out / "results.md", out / "comparison.png"
     results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n" + (f"![accuracy vs MACs and vs round]({figure.name})\n" if plot else ""))
     (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))

@@ -16,7 +16,10 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec
 from ..userfiles import format_validation_error, parse_yaml, read_yaml
+from .aggregation import AggregationConfig
+from .population import DevicesConfig, read_trace
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
+from .secagg import SecureAggregation
 from .registry import get_method, parse_settings, registered_methods
 from .strategy import Run, Strategy
 
@@ -49,6 +52,9 @@ class RunConfig(Strict):
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig, description="the server's rule, norm bounding, differential privacy")
+    secure_aggregation: SecureAggregation | None = Field(None, description="Flower's SecAgg+ on the updates (--engine flower, deployments)")
+    devices: DevicesConfig | None = Field(None, description="device population and virtual clock (none: rounds without time)")
     checkpoint_every: int = Field(10, ge=1, description="save a resumable checkpoint every N rounds")
     _base_dir: Path = PrivateAttr(default_factory=Path)  # relative paths are resolved against it
     _spec: SubmodelSpec | None = PrivateAttr(None)  # parsed once
@@ -89,7 +95,7 @@ class RunConfig(Strict):
     def build_strategy(self) -> Strategy:
         """The method's strategy object, set up from this config."""
         run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval,
-                  self.data.model_copy(update={"root": str(self.data_root())}))
+                  self.data.model_copy(update={"root": str(self.data_root())}), self.aggregation)
         return get_method(self.method)(run, parse_settings(self.method, self.method_args))
 
     def placement(self) -> "Placement":
@@ -175,6 +181,13 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
         unknown = [t for t in group if t not in names]
         if unknown:
             raise ConfigError(source, f"clients.groups[{g}]", f"unknown tier {unknown[0]!r}; tiers: {', '.join(names)}")
+    if config.devices is not None and config.devices.trace is not None:  # resolved, so a run directory resumes anywhere
+        trace = Path(config.devices.trace) if Path(config.devices.trace).is_absolute() else config._base_dir / config.devices.trace
+        try:
+            read_trace(trace, config.clients.num_clients)
+        except ValueError as exc:
+            raise ConfigError(source, "devices.trace", str(exc)) from None
+        config.devices = config.devices.model_copy(update={"trace": str(trace.resolve())})
     return config
 
 

@@ -20,11 +20,12 @@ import torch
 
 from .batched import train_clients
 from .client import learning_rate
-from .config import RunConfig, parse_config
+from .clock import TierCosts, VirtualClock
+from .config import ConfigError, RunConfig, parse_config
 from .data import FederatedData, load_data
 from .device import Placement, placed
 from .store import Checkpoint, RunExistsError, RunStore, saved_config
-from .strategy import ClientInfo, Instruction, Reply, Strategy
+from .strategy import Aggregate, ClientInfo, Instruction, Reply, Strategy
 
 __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_groups", "resume_config", "train"]
 
@@ -79,7 +80,13 @@ class Engine:
         out_dir: the run directory (created).
     """
 
+    #: whether :meth:`exchange` runs SecAgg+ (Flower's); in process the server sees every update
+    secure_transport = False
+
     def __init__(self, config: RunConfig, out_dir: str | Path):
+        if config.secure_aggregation is not None and not self.secure_transport:
+            raise ConfigError(config._source, "secure_aggregation", "runs on Flower's SecAgg+: add --engine flower "
+                              "(the in-process engine sees every update), or remove the section")
         self.config = config
         #: where clients train and models are evaluated (the global state stays on the CPU)
         self.placement: Placement = config.placement()
@@ -95,13 +102,19 @@ class Engine:
                 f"{config.data.dataset} has {self.data.num_classes} classes but the model outputs "
                 f"{info.num_classes} (set spec model_args.num_classes)"
             )
-        columns = ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s",
+        #: simulated time of the clients' devices (``devices:``, :mod:`.clock`); none: rounds without time
+        self.clock: VirtualClock | None = None
+        if config.devices is not None:
+            samples = [config.train.local_epochs * len(p) for p in self.data.partitions]
+            self.clock = VirtualClock(config.devices, TierCosts.of(self.strategy, config.train.batch_size), samples, config.seed)
+        timed = ["sim_time_s", "online", "dropped", "lost"] if self.clock else []
+        columns = ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s", *timed,
                    "worst", "avg", "min", *(f"acc_{t}" for t in info.eval_names)]
         self.store = RunStore(out_dir, columns)
         self.state: dict[str, torch.Tensor] = {}
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
         self.round = 0
-        self.totals = {"bytes_down": 0, "bytes_up": 0}
+        self.totals = {"bytes_down": 0, "bytes_up": 0, **({"sim_time_us": 0} if self.clock else {})}
         self.last_eval: dict = {}
 
     @property
@@ -113,11 +126,16 @@ class Engine:
         """Configure, train and aggregate round ``round_index`` (0-based); return its record."""
         server_round = round_index + 1
         start = time.perf_counter()
-        instructions = self.strategy.configure_train(server_round, self.state, self.available_clients())
+        clients = self.available_clients()
+        instructions = self.strategy.configure_train(server_round, self.state, clients) if clients else {}
+        timing = self.clock.run_round(round_index, {c: i.level for c, i in instructions.items()}) if self.clock else None
+        training = instructions if timing is None else {c: i for c, i in instructions.items() if timing.status[c] == "arrived"}
         with placed(self.placement):  # clients' training and server-side training (FedGH's header)
-            replies = self.exchange("train", instructions)
-            result = self.strategy.aggregate_train(server_round, self.state, replies)
+            replies = self.exchange("train", training)
+            result = self.strategy.aggregate_train(server_round, self.state, replies) if replies or not timing else Aggregate(self.state, 0)
         self.state = result.state
+        if timing is not None:
+            self.totals["sim_time_us"] = self.clock.time_us
         down = sum(_nbytes(i.arrays) for i in instructions.values())
         up = sum(_nbytes(r.arrays) for r in replies.values())
         self.totals["bytes_down"] += down
@@ -139,10 +157,13 @@ class Engine:
             "cum_bytes": self.totals["bytes_down"] + self.totals["bytes_up"],
             "per_client": {
                 str(cid): {"tier": i.level, "bytes_down": _nbytes(i.arrays),
-                           "bytes_up": _nbytes(replies[cid].arrays) if cid in replies else 0}
+                           "bytes_up": _nbytes(replies[cid].arrays) if cid in replies else 0,
+                           **({"status": timing.status[cid], "sim_s": timing.seconds[cid]} if timing else {})}
                 for cid, i in instructions.items()
             },
             "time_s": round(time.perf_counter() - start, 4),
+            **(timing.record(self.strategy.info.levels) if timing else {}),
+            **result.metrics,  # the aggregation's (epsilon, clipped)
         }
 
     def evaluate(self) -> dict[str, float]:
@@ -157,8 +178,10 @@ class Engine:
 
     # -- the transport: what another engine (Flower) replaces ---------------------------------
     def available_clients(self) -> list[ClientInfo]:
-        """The clients that can be reached now (in process: every configured client)."""
-        return self.clients
+        """The clients that can be reached now (in process: every configured client; with
+        ``devices:``, those online at the simulated time, with the levels that fit them this
+        round, :meth:`~.clock.VirtualClock.available`)."""
+        return self.clients if self.clock is None else self.clock.available(self.round, self.clients)
 
     def exchange(self, kind: str, instructions: dict[int, Instruction]) -> dict[int, Reply]:
         """Deliver each client its instruction and collect the replies, in instruction order:
@@ -191,6 +214,8 @@ class Engine:
         self.store.resume(checkpoint)  # metrics files replaced and RNG states restored, every check passed
         self.round, self.state, self.totals, self.last_eval = checkpoint.round, checkpoint.state, checkpoint.totals, checkpoint.last_eval
         self.client_states = checkpoint.client_states
+        if self.clock is not None:
+            self.clock.time_us = self.totals["sim_time_us"]
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, resume: bool = False, overwrite: bool = False, observer: RunObserver | None = None) -> RunResult:

@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..spec import SubmodelSpec
+from .aggregation import AggregationConfig
 from .settings import DataConfig, EvalConfig, TrainConfig
 
 if TYPE_CHECKING:
@@ -74,11 +75,13 @@ class ClientInfo:
 @dataclass
 class Aggregate:
     """The result of :meth:`Strategy.aggregate_train`: the new global state, how many replies
-    were used and which were rejected (client, reason)."""
+    were used, which were rejected (client, reason) and the round's aggregation metrics (e.g.
+    ``epsilon``, ``clipped``: :func:`~.aggregation.aggregate_updates`), merged into its record."""
 
     state: State
     accepted: int
     rejected: list[tuple[int | str, str]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class Run:
     environment's resource levels), local training, the seed, the total rounds (learning-rate
     schedule), the share of clients sampled per round, the evaluation settings and the data
     section, its ``root`` resolved (FedLPS pre-trains its backbone on its held-out
-    ``public_fraction``)."""
+    ``public_fraction``), and the server's aggregation options (``aggregation:``)."""
 
     spec: SubmodelSpec
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -96,6 +99,7 @@ class Run:
     fraction: float = 1.0
     eval: EvalConfig = field(default_factory=EvalConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
 
 
 @dataclass(frozen=True)
@@ -151,14 +155,21 @@ class Strategy(abc.ABC):
 
     A subclass's constructor sets :attr:`info`. ``server_round`` is 1-based, as in Flower.
     ``name``, ``label`` and ``Settings`` are set by :func:`~nefl_zoo.fl.registry.register_method`.
+    A method whose :meth:`aggregate_train` applies ``run.aggregation`` sets ``robust_aggregation``;
+    the others refuse any but the default.
     """
 
     name: ClassVar[str]
     label: ClassVar[str]
     Settings: ClassVar[type[MethodSettings]] = MethodSettings
+    robust_aggregation: ClassVar[bool] = False
     info: MethodInfo
 
     def __init__(self, run: Run, settings: MethodSettings | None = None):
+        if not (self.robust_aggregation or run.aggregation.plain):
+            name = getattr(self, "name", type(self).__name__)
+            raise ValueError(f"aggregation: {name} does not average nested updates, so robust rules, clipping and dp cannot apply; "
+                             "remove the section")
         self.run = run
         self.settings = settings if settings is not None else self.Settings()
 

@@ -21,7 +21,8 @@ from torch import nn
 
 from ..slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
 from ..spec import SubmodelSpec, TierSpec
-from .aggregate import Update, nefedavg
+from .aggregate import Update
+from .aggregation import aggregate_updates
 from .bn import BN_TREATMENTS, recompute_batches, recompute_bn
 from .client import evaluate, fit, learning_rate
 from .local import LocalModel, SubmodelLocal, load_entries
@@ -179,7 +180,9 @@ class Nested(Strategy):
     """A nested method assembled from parts: a client trains one tier (its level) of a compiled
     spec, receives and returns that tier's slice of the global state, and
     :func:`~nefl_zoo.fl.aggregate.nefedavg` averages every element over the clients holding it
-    (consistent tensors: NeFedAvg; ``KEY@TIER`` tensors: FedAvg per tier). Every tier is
+    (consistent tensors: NeFedAvg; ``KEY@TIER`` tensors: FedAvg per tier), or as ``run.aggregation``
+    says (:func:`~nefl_zoo.fl.aggregation.aggregate_updates`: clipping, median, trimmed mean, DP,
+    whose denominators are the clients :meth:`configure_train` assigned). Every tier is
     evaluated on the server under each BN treatment, or, with ``eval.per_client``, every
     client's largest allowed level on its own test split.
 
@@ -208,6 +211,8 @@ class Nested(Strategy):
     ``evaluate_fn``); the class calls none of its own methods while it is set up.
     """
 
+    robust_aggregation = True
+
     def __init__(self, run: Run, settings: MethodSettings | None = None, *, compiled: CompiledSpec | None = None,
                  assign: Callable[[Sequence[str], random.Random], str | None] = random_level,
                  entries: Callable[[str], Mapping[str, SliceEntry]] | None = None,
@@ -230,6 +235,8 @@ class Nested(Strategy):
         self.client_model = client_model or (lambda tier, arrays: SubmodelLocal(self.submodel(tier, arrays), exclude=self._steps(tier)))
         self.eval_model = eval_model or (lambda state, tier, data: self.submodel(tier, SliceMap(dict(self._tier_entries(tier))).extract(state)))
         self._init = init
+        #: (round, client -> level) of the last :meth:`configure_train`: DP's fixed denominators
+        self.assigned: tuple[int, dict[int, str]] = (0, {})
         tiers = tuple(self.compiled.tiers)
         numel = {t: sum(e.numel for e in self.entries(t).values()) for t in tiers}
         sizes = level_sizes(self.compiled)
@@ -280,21 +287,28 @@ class Nested(Strategy):
             if tier is not None:
                 arrays = SliceMap(dict(self.entries(tier))).extract(global_state)
                 out[client.cid] = Instruction(arrays, train_config(self.run, server_round, client.cid), tier)
+        self.assigned = (server_round, {cid: i.level for cid, i in out.items()})
         return out
 
     def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
+        config, (assigned_round, assigned) = self.run.aggregation, self.assigned
+        if config.dp is not None and assigned_round != server_round:
+            raise RuntimeError(f"{self.name}: aggregation.dp needs configure_train of round {server_round} first (its denominators)")
         updates, rejected = [], []
         for cid, reply in replies.items():
             reason = reply.error
             if reason is None and reply.level not in self.compiled.tiers:
                 reason = f"reply level {reply.level!r} is not a submodel of {self.name}"
+            if reason is None and config.dp is not None and reply.level != assigned.get(cid):
+                reason = f"reply level {reply.level!r} is not the assigned {assigned.get(cid)!r}"
             if reason is not None:
                 log.warning("client %s: reply rejected: %s", cid, reason)
                 rejected.append((cid, reason))
                 continue
             updates.append(Update(self.entries(reply.level), reply.arrays, reply_weight(self.run, reply, self.weighting), cid))
-        state, invalid = nefedavg(global_state, updates)
-        return Aggregate(state, len(updates) - len(invalid), rejected + invalid)
+        state, invalid, metrics = aggregate_updates(global_state, updates, config, assigned=[self.entries(t) for t in assigned.values()] if config.dp else None,
+                                                    seed=self.run.seed, server_round=server_round, rate=self.run.fraction)
+        return Aggregate(state, len(updates) - len(invalid), rejected + invalid, metrics)
 
     def evaluate(self, server_round: int, global_state, data) -> dict[str, float]:
         """Every tier (and ``extra_eval``) on the test set under each BN treatment; nothing with

@@ -11,11 +11,15 @@ Flower's simulation engine (``flower-M``); every method whose embedded run keeps
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.serde import message_from_proto, message_to_proto
 
 from nefl_zoo.fl.engine import Engine
+from nefl_zoo.fl.flower.client import app as client_app
 from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.fl.strategy import ClientInfo
 
@@ -85,3 +89,53 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 def layout(run_dir: Path) -> set[str]:
     """A run directory's file names, the checkpoint generation's id masked."""
     return {re.sub(r"ckpt-\w+-\w+", "ckpt-#", p.name) for p in run_dir.iterdir()}
+
+
+class InProcessGrid:
+    """A Flower Grid whose nodes are this process: each pushed message runs the ClientApp right
+    away with its node's Context (no Ray, no processes). With ``wire``, every message and reply
+    goes through Flower's protobuf both ways and a ClientApp that raises answers with an error,
+    as Flower's runtime does. ``faults`` maps a node id to a function of (ClientApp's reply,
+    sent message) giving the ``train`` reply delivered instead (None: none). ``pushed``: every
+    message sent; ``answers``: what each ClientApp answered, by message id; ``seen``: every reply
+    delivered."""
+
+    def __init__(self, num_nodes: int, faults=None, wire: bool = False):
+        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config={"partition-id": i, "num-partitions": num_nodes},
+                                           state=RecordDict(), run_config={}) for i in range(num_nodes)}
+        self.faults, self.wire = faults or {}, wire
+        self.pushed: list[Message] = []
+        self.answers: dict[str, Message] = {}
+        self.replies: dict[str, Message] = {}  # delivered, not yet pulled
+        self.seen: list[Message] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def _answer(self, message: Message) -> Message:
+        if not self.wire:
+            return client_app(message, self.contexts[message.metadata.dst_node_id])
+        try:
+            answer = client_app(message, self.contexts[message.metadata.dst_node_id])
+        except Exception as exc:  # noqa: BLE001 - as Flower's runtime
+            answer = Message(Error(code=2, reason=str(exc)), reply_to=message)
+        return message_from_proto(message_to_proto(answer))
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            if self.wire:
+                message = message_from_proto(message_to_proto(message))
+            answer = self.answers[message.metadata.message_id] = self._answer(message)
+            fault = self.faults.get(message.metadata.dst_node_id) if message.metadata.message_type == "train" else None
+            reply = fault(answer, message) if fault else answer
+            if reply is not None:
+                self.replies[message.metadata.message_id] = reply
+                self.seen.append(reply)
+            self.pushed.append(message)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]

@@ -8,7 +8,9 @@ Then each ``train`` message runs the method's :meth:`~nefl_zoo.fl.strategy.Strat
 partition ``partition-id`` of the run's data, and each ``evaluate`` message its
 :meth:`~nefl_zoo.fl.strategy.Strategy.evaluate_client` on the partition's own test split.
 Per-client state (FedGH's extractor, FedLPS's masks) comes with each message and a ``train``
-reply returns it updated: the server keeps and checkpoints it, the node keeps none.
+reply returns it updated: the server keeps and checkpoints it, the node keeps none. Under
+``secure_aggregation`` train messages go through Flower's SecAgg+ (:mod:`.secure`): the node
+sends its update scattered into the global shapes, masked.
 
 Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this node),
 ``device`` (the config's ``train.device`` on this node, e.g. ``cpu`` on a node without the
@@ -36,6 +38,7 @@ from ..device import Placement, placed
 from ..strategy import Strategy
 from .nodes import NODE, NODE_KEYS, SETUP
 from .records import read_instruction, reply_content
+from .secure import SECURE, secure_content, secure_mod
 
 log = logging.getLogger(__name__)
 RUNS = "nefl.runs"  # context.state: run id -> its configuration (JSON)
@@ -78,7 +81,7 @@ def _built(config_json: str, context: Context) -> tuple[Strategy, FederatedData,
     return _method(config_json, str(node.get("data-root", "")), str(node.get("device", "")))
 
 
-@app.train()
+@app.train(mods=[secure_mod])
 def train(message: Message, context: Context) -> Message:
     """Run the method's client ``train`` hook on this node's partition."""
     return _serve("train", message, context)
@@ -104,4 +107,6 @@ def _serve(kind: str, message: Message, context: Context) -> Message:
             reply = strategy.evaluate_client(instruction, data.client_test(partition), client_state)
     if reply.error is not None:
         return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reply.error), reply_to=message)
+    if kind == "train" and SECURE in message.content.config_records:  # SecAgg+ masks the update (secure_mod)
+        return Message(secure_content(strategy, instruction, reply, message.content.config_records[SECURE]), reply_to=message)
     return Message(reply_content(reply, client_state if kind == "train" else None), reply_to=message)

@@ -11,6 +11,11 @@ runs inside a Flower ``ServerApp`` (the simulation engine's or a SuperLink's).
 Per-client state (FedGH's extractors, FedLPS's masks) is kept by the engine, as in process:
 each message carries its client's state and each ``train`` reply returns it updated, so the
 engine's checkpoints hold it and a resumed run continues bit-identically.
+
+With ``secure_aggregation`` in the config, train rounds run Flower's SecAgg+
+(:class:`~nefl_zoo.fl.flower.secure.SecureMethod`): the server gets only the sum of the clients'
+scattered updates and weights, and each round's record adds ``secagg_bytes`` (every protocol
+message's bytes, down and up).
 """
 
 from __future__ import annotations
@@ -24,13 +29,24 @@ from pathlib import Path
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..engine import Engine
+from ..secagg import weight_scale
 from ..strategy import ClientInfo, Instruction, Reply
 from .nodes import NodeRegistry, collect
 from .records import error_reply, instruction_content, read_reply
+from .secure import SecureMethod, check_secure
 
 log = logging.getLogger(__name__)
+
+
+def check_flower_config(config: RunConfig) -> None:
+    """A one-line :class:`~nefl_zoo.fl.config.ConfigError` for what a Flower run cannot give:
+    ``devices`` (the virtual clock is the in-process engine's) or a ``secure_aggregation`` that
+    cannot apply (:func:`~.secure.check_secure`)."""
+    if config.devices is not None:
+        raise ConfigError(config._source, "devices", "the virtual clock runs on the in-process engine; remove devices: or --engine flower")
+    check_secure(config)
 
 
 class FlowerEngine(Engine):
@@ -48,8 +64,11 @@ class FlowerEngine(Engine):
             (:class:`~nefl_zoo.fl.flower.nodes.Stopped`).
     """
 
+    secure_transport = True
+
     def __init__(self, config: RunConfig, out_dir: str | Path, grid: Grid, *, timeout: float = 3600.0,
                  min_nodes: int | None = None, stop: threading.Event | None = None, poll: float = 0.1):
+        check_flower_config(config)
         super().__init__(config, out_dir)
         self.grid, self.timeout, self.poll = grid, timeout, poll
         self.min_nodes = config.clients.num_clients if min_nodes is None else min_nodes
@@ -57,16 +76,32 @@ class FlowerEngine(Engine):
         self.nodes = NodeRegistry(uuid.uuid4().hex, json.dumps(config.to_dict()), self.clients, levels,
                                   timeout=timeout, stop=stop)
         self._started = False
+        self.secure: SecureMethod | None = None
+        if config.secure_aggregation is not None:
+            sizes = [len(self.data.client_dataset(c.cid)) for c in self.clients]
+            scale = weight_scale(self.strategy, sizes, config.secure_aggregation, max(1, round(config.clients.fraction * len(sizes))))
+            self.strategy = self.secure = SecureMethod(self.strategy, config.secure_aggregation, scale, timeout=timeout, poll=poll,
+                                                       stop=self.nodes.stop)
 
     def available_clients(self) -> list[ClientInfo]:
         clients = self.nodes.refresh(self.grid, 1 if self._started else self.min_nodes)
         self._started = True
         return clients
 
+    def run_round(self, round_index: int) -> dict:
+        record = super().run_round(round_index)
+        if self.secure is not None:
+            record["secagg_bytes"] = dict(self.secure.bytes)
+        return record
+
     def exchange(self, kind: str, instructions: dict[int, Instruction]) -> dict[int, Reply]:
         """Send each client its instruction and state through the grid; return the replies in
         instruction order (a missing, error or undecodable one with ``error`` set) and keep the
-        client states that ``train`` replies return."""
+        client states that ``train`` replies return. Secure train rounds go through SecAgg+."""
+        if kind == "train" and self.secure is not None:
+            contents = {self.nodes.node_of(cid): (cid, instruction_content(i, self.nodes.run, self.client_states.get(cid, {})), int(i.config["seed"]))
+                        for cid, i in instructions.items()}
+            return self.secure.exchange(self.grid, self.round + 1, contents)
         sent = {cid: Message(instruction_content(instruction, self.nodes.run, self.client_states.get(cid, {})),
                              self.nodes.node_of(cid), kind)
                 for cid, instruction in instructions.items()}

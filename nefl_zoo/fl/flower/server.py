@@ -21,7 +21,7 @@ from ..config import RunConfig, apply_overrides, load_config, parse_config
 from ..device import gpu_share
 from ..engine import RunObserver, RunResult, resume_config
 from .client import app as client_app
-from .engine import FlowerEngine
+from .engine import FlowerEngine, check_flower_config
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ def simulate_runs(runs: Sequence[SimulatedRun], *, threads: int | None = None, c
     import torch
     from flwr.simulation import run_simulation
 
+    for run in runs:  # before Ray starts: a one-line error for what Flower cannot run
+        check_flower_config(run.config)
     sizes = {r.config.clients.num_clients for r in runs}
     if len(sizes) != 1:
         raise ValueError(f"the runs of one simulation need the same clients.num_clients, got {sorted(sizes)}")

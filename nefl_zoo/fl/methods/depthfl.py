@@ -374,7 +374,7 @@ class DepthFL(Nested):
         bad = {cid for cid, _ in result.rejected}
         holders = Counter(e.global_key for cid, r in replies.items() if cid not in bad for e in self.entries(r.level).values())
         state = server_update(self.h, global_state, result.state, holders, max(self.num_clients, 1), self.settings.feddyn_alpha)
-        return Aggregate(state, result.accepted, result.rejected)
+        return Aggregate(state, result.accepted, result.rejected, result.metrics)
 
     def local_model(self, instruction: Instruction) -> LocalModel | None:
         """The nefl variant's plain submodel; none for the original, whose step also takes the

@@ -47,7 +47,7 @@ class FedAvgM(Nested):
             v = d if key not in self.velocity else self.settings.momentum * self.velocity[key] + d
             self.velocity[key] = v
             state[key] = w - self.settings.server_lr * v
-        return Aggregate(state, result.accepted, result.rejected)
+        return Aggregate(state, result.accepted, result.rejected, result.metrics)
 
     def server_state(self) -> State:
         return dict(self.velocity)
