@@ -11,7 +11,8 @@ pytest.importorskip("flwr")
 from nefl_zoo.fl.registry import registered_methods  # noqa: E402
 
 from .conftest import contract_config, records, same_tensors  # noqa: E402
-from .support.flower import CLIENT_STATES, OBSERVED, layout, simulation, submodel_bytes  # noqa: E402
+from .support.flower import (CLIENT_STATES, OBSERVED, InProcessGrid, layout, secure_contract_config, simulation,  # noqa: E402
+                             submodel_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,23 @@ def test_flower_simulation_equals_the_embedded_engine(runs, method):
     if (embedded / CLIENT_STATES).exists():
         assert same_tensors(flower, embedded, CLIENT_STATES)
     assert records(flower) == records(embedded)
+
+
+def test_secure_simulation_on_ray_gives_the_in_process_secure_run_bit_for_bit(runs, tmp_path, monkeypatch):
+    """SecAgg+ in Flower's simulation (Ray, its ClientApp processes) and on an in-process grid
+    (protobuf both ways): the same global tensors and records, stochastic rounding being seeded
+    per client and the masks cancelling in the sum (tests/test_secagg.py: the bound, the masks)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from nefl_zoo.fl.flower import FlowerEngine
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    config = secure_contract_config()
+    FlowerEngine(config, tmp_path / "wire", InProcessGrid(config.clients.num_clients, wire=True), timeout=30).run()
+    assert same_tensors(runs / "flower-nefl-secure", tmp_path / "wire")
+    assert records(runs / "flower-nefl-secure") == records(tmp_path / "wire")
+    assert [r["clients"] for r in records(tmp_path / "wire")] == [2, 2]
 
 
 def test_methods_with_client_state_resume_on_flower_bit_identically(runs):

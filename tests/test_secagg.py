@@ -3,9 +3,10 @@ HeteroFL and FjORD gives the plain run's global model within SecAgg+'s quantisat
 (:func:`~nefl_zoo.fl.secagg.sum_error`), the server receives only masked vectors, dropouts are
 handled as Flower handles them, and bad settings are refused in one line.
 
-The protocol runs on an :class:`~.support.flower.InProcessGrid` with ``wire``: the nodes' ClientApp
-in this process, every message serialised both ways as Flower sends it (no Ray); one Flower simulation (Ray) runs NeFL and must
-give the in-process run's tensors bit for bit (stochastic rounding is seeded per client).
+The protocol runs on an :class:`~.support.flower.InProcessGrid` with ``wire``: the nodes'
+ClientApp in this process, every message serialised both ways as Flower sends it (no Ray). The
+suite's one Flower simulation (Ray) runs NeFL under SecAgg+ too and must give the in-process
+run's tensors bit for bit (``test_method_contract_flower.py``; rounding is seeded per client).
 
 The bound, for ``n`` clients, clipping range ``c`` and quantisation range ``Q``: each summed
 element (weighted change or weight) is off by less than ``e = n 2c / Q``; an element's mean with
@@ -119,13 +120,6 @@ def test_the_server_receives_only_masked_vectors(runs):
         assert abs(seen.mean() / m - 0.5) < 0.01 and seen.min() >= 0 and seen.max() < m  # uniform over [0, M)
         outside = np.tile(vectors[0][0][1] == 0, 2)  # elements client 0's submodel does not hold
         assert len(np.unique(seen[1:][outside][:1000])) > 990  # masked as well
-
-
-def test_secure_simulation_on_ray_gives_the_in_process_run_bit_for_bit(runs, tmp_path):
-    out = runs["nefl"][0]
-    simulate_runs([SimulatedRun(config(secure_aggregation={}), tmp_path / "ray")], threads=1)
-    assert same_tensors(tmp_path / "ray", out / "secure-nefl")
-    assert records(tmp_path / "ray") == records(out / "secure-nefl")
 
 
 @pytest.mark.parametrize("dropped, kept", [({1003}, True), ({1002, 1003}, False)])

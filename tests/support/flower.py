@@ -5,7 +5,9 @@ Every registered method runs the method contract's 2-round configuration
 (``test_method_contract.contract_config``) on the embedded engine (``embedded-M``) and on
 Flower's simulation engine (``flower-M``); every method whose embedded run keeps per-client state
 (``clients.safetensors``) also runs on Flower stopped after round 1 and resumed
-(``flower-M-resumed``). A new method is picked up from the registry without an edit here.
+(``flower-M-resumed``). NeFL also runs under ``secure_aggregation`` (Flower's SecAgg+:
+``flower-nefl-secure``; :func:`secure_contract_config`). A new method is picked up from the
+registry without an edit here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.flower.client import app as client_app
 from nefl_zoo.fl.registry import registered_methods
+from nefl_zoo.fl.secagg import SecureAggregation
 from nefl_zoo.fl.strategy import ClientInfo
 
 from ..conftest import contract_config
@@ -64,9 +67,15 @@ def simulation(tmp_path_factory) -> Path:
                 resumed = out / f"flower-{method}-resumed"
                 stopped = config.model_copy(update={"rounds": 1})  # stopped after round 1, then resumed
                 runs += [SimulatedRun(stopped, resumed), SimulatedRun(config, resumed, resume=True)]
+        runs.append(SimulatedRun(secure_contract_config(), out / "flower-nefl-secure"))
         simulate_runs(runs, threads=1)
         _RUNS["out"] = out
     return _RUNS["out"]
+
+
+def secure_contract_config():
+    """NeFL's contract run under Flower's SecAgg+ (two clients a round, its defaults)."""
+    return contract_config("nefl").model_copy(update={"secure_aggregation": SecureAggregation()})
 
 
 def submodel_bytes(config) -> tuple[dict[str, int], int]:
