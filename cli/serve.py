@@ -36,12 +36,13 @@ from urllib.parse import unquote, urlsplit
 
 import typer
 
-from .errors import fail, guarded, require_positive
+from .errors import fail, guarded
 
 WEB = Path(__file__).resolve().parent.parent / "web"  # the repository's web/ folder
 ORT_DIST = Path("node_modules") / "onnxruntime-web" / "dist"
 NPM_FIX = "cd web && ONNXRUNTIME_NODE_INSTALL=skip npm ci"
 SAMPLE_SEED = 0
+MAX_SAMPLES = 10_000  # images bundled with the page (a CIFAR test split; 120 MB of float32 at 3x32x32)
 MANIFEST = "manifest.json"
 
 MIME = {
@@ -325,18 +326,20 @@ def url_of(server: Server) -> str:
 
 def serve(
     export_dir: Path = typer.Argument(..., help="the export folder (manifest.json and the nested .onnx files)"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on (default: this machine only)"),
+    host: str = typer.Option("127.0.0.1", help="host name or IP address to listen on (default: this machine only)"),
     port: int = typer.Option(8000, help="port to listen on (0: any free port)"),
-    samples: int = typer.Option(64, help="test images of the manifest's dataset bundled with the page"),
+    samples: int = typer.Option(64, help=f"test images of the manifest's dataset bundled with the page (at most {MAX_SAMPLES})"),
     log: bool = typer.Option(False, "--log/--no-log", help="print one line per request (on stderr)"),
 ) -> None:
     """Serve a local page that runs the export's tiers in the browser (onnxruntime-web): predictions,
     adaptive tier choice under a deadline, and a latency table for `select --latency-table`."""
     from nefl_zoo.manifest import ManifestError
 
-    require_positive(samples=samples)
-    if not 0 <= port <= 65535:
-        raise fail(f"--port: must be in 0..65535, got {port}")
+    from nefl_zoo.bounds import MAX_PORT, host as checked_host, number
+
+    number("--samples", samples, 1, MAX_SAMPLES, integer=True)  # a ValueError is one line, exit 2 (guarded)
+    number("--port", port, 0, MAX_PORT, integer=True)
+    checked_host("--host", host)
     try:
         server = make_server(export_dir, host, port, samples, quiet=not log)
     except (ServeError, ManifestError) as exc:

@@ -86,17 +86,21 @@ def _flower(what: str = "--engine flower"):
 
 def clientapp(
     runtime_api_address: str = typer.Option("127.0.0.1:9094", "--runtime-api-address",
-                                            help="the SuperNode's Runtime API (flower-supernode --port)"),
+                                            help="the SuperNode's Runtime API as HOST:PORT, IPv6 in brackets (flower-supernode --port)"),
     insecure: bool = typer.Option(False, "--insecure", help="plain HTTP to the SuperNode (its default)"),
     root_certificates: Optional[Path] = typer.Option(None, "--root-certificates", help="CA certificate of a TLS Runtime API"),
-    poll: float = typer.Option(0.25, "--poll", help="seconds between requests for a task while idle (each costs the SuperNode and this process about 3 ms of CPU)"),
+    poll: float = typer.Option(0.25, "--poll", help="seconds between requests for a task while idle, at most 3600 (each costs the SuperNode and this process about 3 ms of CPU)"),
 ) -> None:
     """A long-running ClientApp process for a SuperNode started with --isolation process: imports,
     data and model set-up once per node instead of once per message."""
+    from nefl_zoo.bounds import MAX_POLL_S, address, number
+
     if not insecure and root_certificates is None:
         raise fail("--insecure or --root-certificates: say how to reach the SuperNode's Runtime API")
-    if not poll > 0:
-        raise fail(f"--poll: must be > 0 seconds, got {poll}")
+    if insecure and root_certificates is not None:
+        raise fail("--insecure or --root-certificates: give one (plain HTTP, or TLS checked against the certificate)")
+    address("--runtime-api-address", runtime_api_address)  # a ValueError is one line, exit 2 (guarded)
+    number("--poll", poll, 0, MAX_POLL_S, open_low=True)
     _flower("nefl-zoo clientapp")
     _setup(None)
     from nefl_zoo.fl.flower.worker import serve

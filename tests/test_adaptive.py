@@ -270,18 +270,20 @@ def test_ladder_ties_and_unmeasured_accuracy():
 
 
 RULES = {
-    "ms": "a finite number > 0", "percentile": "a number in (0, 100]", "window": "an integer >= 1",
-    "recent": "an integer >= 1", "headroom": "a number in (0, 1]", "probe_after_s": "a finite number >= 0",
-    "up_margin": "a number in (0, 1)", "max_backoff": "a finite number >= 1", "min_speedup": "a finite number >= 1",
+    "ms": "a number in [0.001, 86400000]", "percentile": "a number in (0, 100]", "window": "an integer in 1..10000",
+    "recent": "an integer in 1..10000", "headroom": "a number in (0, 1]", "probe_after_s": "a number in [0, 86400]",
+    "up_margin": "a number in (0, 1)", "max_backoff": "a number in [1, 1000000]", "min_speedup": "a number in [1, 1000]",
 }
 
 
 @pytest.mark.parametrize("field, value", [
-    ("ms", 0.0), ("ms", math.nan), ("ms", math.inf), ("percentile", 0.0), ("percentile", 101.0), ("percentile", math.nan),
-    ("window", 0), ("window", 2.5), ("window", 1.0), ("window", True), ("headroom", 0.0), ("headroom", 1.5),
-    ("headroom", math.nan), ("probe_after_s", -1.0), ("probe_after_s", math.inf), ("up_margin", 1.0), ("up_margin", 0.0),
-    ("max_backoff", 0.5), ("max_backoff", math.inf), ("recent", 0), ("recent", 1.5), ("min_speedup", 0.9),
-    ("min_speedup", math.inf),
+    ("ms", 0.0), ("ms", math.nan), ("ms", math.inf), ("ms", 0.0009), ("ms", 86_400_001), ("ms", 1e300),
+    ("percentile", 0.0), ("percentile", 101.0), ("percentile", math.nan), ("percentile", -math.inf),
+    ("window", 0), ("window", 2.5), ("window", 1.0), ("window", True), ("window", 10_001), ("window", 10**30),
+    ("headroom", 0.0), ("headroom", 1.5), ("headroom", math.nan), ("probe_after_s", -1.0), ("probe_after_s", math.inf),
+    ("probe_after_s", 86_401.0), ("probe_after_s", math.nan), ("up_margin", 1.0), ("up_margin", 0.0),
+    ("max_backoff", 0.5), ("max_backoff", math.inf), ("max_backoff", 1e6 + 1), ("recent", 0), ("recent", 1.5),
+    ("recent", 10_001), ("min_speedup", 0.9), ("min_speedup", math.inf), ("min_speedup", 1000.5), ("min_speedup", "2"),
 ])
 def test_bad_deadline_settings_name_the_field_and_the_rule(field: str, value: object):
     with pytest.raises(ValueError) as error:
@@ -290,19 +292,35 @@ def test_bad_deadline_settings_name_the_field_and_the_rule(field: str, value: ob
 
 
 def test_deadline_settings_at_their_bounds_are_accepted():
-    edge = Deadline(ms=1e-9, percentile=100, window=1, headroom=1, probe_after_s=0, up_margin=1e-9, max_backoff=1,
+    edge = Deadline(ms=0.001, percentile=100, window=1, headroom=1, probe_after_s=0, up_margin=1e-9, max_backoff=1,
                     recent=1, min_speedup=1)
     assert (edge.percentile, edge.window, edge.recent, edge.headroom, edge.max_backoff, edge.min_speedup) == (100, 1, 1, 1, 1, 1)
     assert Deadline(ms=1.0, percentile=1e-9, probe_after_s=0.0, up_margin=0.999).probe_after_s == 0.0
+    top = Deadline(ms=86_400_000, window=10_000, recent=10_000, probe_after_s=86_400, max_backoff=1_000_000, min_speedup=1000)
+    assert (top.ms, top.window, top.probe_after_s * top.max_backoff) == (86_400_000, 10_000, 86_400_000_000)
+
+
+def test_the_largest_settings_and_latencies_keep_every_estimate_finite():
+    """At the limits (a 1 us baseline, a day-long observation, the widest window) the slowdown,
+    the expected latencies and a probe's quiet period stay finite numbers."""
+    clock = FakeClock()
+    deadline = Deadline(ms=86_400_000, window=10_000, probe_after_s=86_400, max_backoff=1_000_000, percentile=50)
+    policy = AdaptivePolicy([Candidate("fast", 0.1, 1, 0.001), Candidate("slow", 0.9, 2, 86_400_000)], deadline, clock)
+    for ms in (86_400_000, 0.0, 86_400_000):
+        policy.observe(policy.current, ms)
+        assert math.isfinite(policy.slowdown) and all(math.isfinite(policy.expected_ms(c)) for c in ("fast", "slow"))
+    assert policy.slowdown == 86_400_000 / 0.001 and policy.current == "fast"
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Candidate("g1.0", 0.9, 1, 0.0), "Candidate 'g1.0': expected_ms must be a finite number > 0, got 0.0"),
-    (lambda: Candidate("g1.0", 0.9, 1, -2.0), "Candidate 'g1.0': expected_ms must be a finite number > 0, got -2.0"),
-    (lambda: Candidate("g1.0", 0.9, 1, math.nan), "Candidate 'g1.0': expected_ms must be a finite number > 0, got nan"),
-    (lambda: Candidate("g1.0", 0.9, -1, 1.0), "Candidate 'g1.0': macs must be an integer >= 0, got -1"),
-    (lambda: Candidate("g1.0", 0.9, True, 1.0), "Candidate 'g1.0': macs must be an integer >= 0, got True"),
-    (lambda: Candidate("g1.0", 0.9, 2.0, 1.0), "Candidate 'g1.0': macs must be an integer >= 0, got 2.0"),
+    (lambda: Candidate("g1.0", 0.9, 1, 0.0), "Candidate 'g1.0' expected_ms: must be a number in [0.001, 86400000], got 0.0"),
+    (lambda: Candidate("g1.0", 0.9, 1, -2.0), "Candidate 'g1.0' expected_ms: must be a number in [0.001, 86400000], got -2.0"),
+    (lambda: Candidate("g1.0", 0.9, 1, math.nan), "Candidate 'g1.0' expected_ms: must be a number in [0.001, 86400000], got nan"),
+    (lambda: Candidate("g1.0", 0.9, 1, 5e-324), "Candidate 'g1.0' expected_ms: must be a number in [0.001, 86400000], got 5e-324"),
+    (lambda: Candidate("g1.0", 0.9, 1, 1e20), "Candidate 'g1.0' expected_ms: must be a number in [0.001, 86400000], got 1e+20"),
+    (lambda: Candidate("g1.0", 0.9, -1, 1.0), "Candidate 'g1.0' macs: must be an integer >= 0, got -1"),
+    (lambda: Candidate("g1.0", 0.9, True, 1.0), "Candidate 'g1.0' macs: must be an integer >= 0, got True"),
+    (lambda: Candidate("g1.0", 0.9, 2.0, 1.0), "Candidate 'g1.0' macs: must be an integer >= 0, got 2.0"),
     (lambda: Candidate("g1.0", math.nan, 1, 1.0), "Candidate 'g1.0': accuracy must be a finite number or None, got nan"),
     (lambda: Candidate("", 0.9, 1, 1.0), "Candidate.label: must be a non-empty string, got ''"),
     (lambda: AdaptivePolicy([], Deadline(DEADLINE_MS)), "candidates: must hold at least one Candidate, got none"),
@@ -321,8 +339,10 @@ def test_a_candidate_may_have_zero_macs_and_no_accuracy():
 
 @pytest.mark.parametrize("label, ms, message", [
     ("g2.0", 1.0, "label: 'g2.0' is not a candidate (g0.25, g0.5, g0.75, g0.75:int8, g1.0)"),
-    ("g1.0", -1.0, "ms: must be a finite number >= 0, got -1.0"), ("g1.0", math.nan, "ms: must be a finite number >= 0, got nan"),
-    ("g1.0", True, "ms: must be a finite number >= 0, got True"),
+    ("g1.0", -1.0, "ms: must be a number in [0, 86400000], got -1.0"),
+    ("g1.0", math.nan, "ms: must be a number in [0, 86400000], got nan"),
+    ("g1.0", True, "ms: must be a number in [0, 86400000], got True"),
+    ("g1.0", 1e308, "ms: must be a number in [0, 86400000], got 1e+308"),
 ])
 def test_bad_observations_raise(label: str, ms: float, message: str):
     policy = AdaptivePolicy(CANDIDATES, Deadline(DEADLINE_MS), FakeClock())

@@ -142,9 +142,14 @@ def test_bench_defaults_are_the_ones_its_help_states(package, monkeypatch, capsy
     "args, message",
     [
         (["--batch", "1,x"], "--batch: expected comma-separated integers, got '1,x'"),
-        (["--batch", "0"], "batch: expected integers >= 1, got [0]"),
-        (["--runs", "0"], "runs: must be an integer >= 1, got 0"),
-        (["--threads", "0"], "--threads: must be >= 1, got 0"),
+        (["--batch", "0"], "--batch: must be an integer in 1..65536, got 0"),
+        (["--batch", "2,100000"], "--batch: must be an integer in 1..65536, got 100000"),
+        (["--batch", "2,2"], "--batch: each size once, got [2, 2]"),
+        (["--runs", "0"], "--runs: must be an integer in 1..100000, got 0"),
+        (["--runs", str(10**12)], "--runs: must be an integer in 1..100000, got 1000000000000"),
+        (["--warmup", "-1"], "--warmup: must be an integer in 0..100000, got -1"),
+        (["--threads", "0"], "--threads: must be an integer in 1..1024, got 0"),
+        (["--threads", "100000"], "--threads: must be an integer in 1..1024, got 100000"),
         (["--labels", "nope"], "unknown tier 'nope'"),
         (["--out", "/nonexistent-dir/t.json"], "/nonexistent-dir/"),
         (["--bogus"], "unrecognized arguments: --bogus"),
@@ -219,10 +224,12 @@ def test_a_table_is_built_from_the_recorded_times(package):
     assert entry.median_ms == pytest.approx(2.0) and entry.p95_ms == pytest.approx(10.0)
 
 
-def test_a_batch_the_export_cannot_take_is_refused_before_timing(package, tmp_path):
+def test_a_batch_the_export_cannot_take_is_refused_before_timing(package, tmp_path, monkeypatch):
     runtime = TierRuntime(package)
-    with pytest.raises(ValueError, match="batch 1000000000: needs about .* more than the"):
-        measure_latency_table(runtime, [1, 10**9], runs=1, warmup=0)
+    monkeypatch.setattr("nefl_zoo.memory.available_memory_bytes", lambda: 2**30)
+    with pytest.raises(ValueError, match="batch 65536: needs about .* more than the 1.0 GiB"):
+        measure_latency_table(runtime, [1, 65536], runs=1, warmup=0)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"each size once"):
         measure_latency_table(runtime, [1, 1], runs=1, warmup=0)
     assert runtime._sessions == {}  # nothing was loaded or timed
@@ -265,6 +272,13 @@ def test_a_table_round_trips(table_file, tmp_path):
         (lambda d: d.update(schema="nefl-zoo-manifest"), "schema", "'nefl-zoo-manifest', not 'nefl-zoo-latency-table'"),
         (lambda d: d.update(version=2), "version", "unsupported version 2"),
         (lambda d: d.update(runs=0), "runs", "greater than or equal to 1"),
+        (lambda d: d.update(runs=10**12), "runs", "less than or equal to 100000"),
+        (lambda d: d.update(warmup=10**6), "warmup", "less than or equal to 100000"),
+        (lambda d: d.update(threads=0), "threads", "greater than or equal to 1"),
+        (lambda d: d.update(threads=10**5), "threads", "less than or equal to 1024"),
+        (lambda d: d["entries"][0].update(batch=10**9), "entries[0].batch", "less than or equal to 65536"),
+        (lambda d: d["entries"][0].update(runs=0), "entries[0].runs", "greater than or equal to 1"),
+        (lambda d: d["entries"][1].update(p95_ms=1e300), "entries[1].p95_ms", "less than or equal to 86400000"),
         (lambda d: d.update(colour="red"), "colour", "unknown key"),
         (lambda d: d["entries"][1].update(median_ms=-1), "entries[1].median_ms", "greater than or equal to 0"),
         (lambda d: d["entries"][0].update(p95_ms=0), "entries[0].p95_ms", "is below median_ms"),
@@ -392,10 +406,11 @@ def test_a_table_that_is_not_an_object_is_one_line(data, kind):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"runs": 0}, "runs: must be an integer >= 1, got 0"), ({"runs": True}, "runs: must be an integer >= 1, got True"),
-    ({"warmup": -1}, "warmup: must be an integer >= 0, got -1"), ({"warmup": 1.0}, "warmup: must be an integer >= 0, got 1.0"),
-    ({"batches": [True]}, "batch: expected integers >= 1, got [True]"), ({"batches": []}, "batch: expected integers >= 1, got []"),
-    ({"batches": [2, 0]}, "batch: expected integers >= 1, got [2, 0]"),
+    ({"runs": 0}, "runs: must be an integer in 1..100000, got 0"), ({"runs": True}, "runs: must be an integer in 1..100000, got True"),
+    ({"runs": 100_001}, "runs: must be an integer in 1..100000, got 100001"),
+    ({"warmup": -1}, "warmup: must be an integer in 0..100000, got -1"), ({"warmup": 1.0}, "warmup: must be an integer in 0..100000, got 1.0"),
+    ({"batches": [True]}, "batch: must be an integer in 1..65536, got True"), ({"batches": []}, "batch: give at least one batch size"),
+    ({"batches": [2, 0]}, "batch: must be an integer in 1..65536, got 0"), ({"batches": [10**9]}, "batch: must be an integer in 1..65536, got 1000000000"),
 ])
 def test_bad_counts_are_refused_before_timing(package, kwargs, message):
     runtime = TierRuntime(package)

@@ -162,9 +162,11 @@ def test_serve_runs_each_task_in_process_answers_a_failing_app_with_an_error_and
         f"the SuperNode's Runtime API at {ADDRESS} cannot be reached (refused); waiting for it",
         f"the SuperNode's Runtime API at {ADDRESS} cannot be reached (restarting); waiting for it",
         "the reply could not be delivered to the SuperNode: connection reset"]
-    errors = [(r.getMessage(), r.exc_info[0]) for r in caplog.records if r.levelno == logging.ERROR]
-    assert errors == [("ClientApp raised an exception", ValueError), ("ClientApp raised an exception", LoadClientAppError),
-                      ("ClientApp raised an exception", RuntimeError)]
+    errors = [(r.getMessage(), r.exc_info) for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [  # one line per failed task, no traceback
+        ("train message: answered with an error: ValueError: out of digits", None),
+        ("train message: answered with an error: LoadClientAppError: no such app", None),
+        ("a task's message could not be read: RuntimeError: No messages received from Runtime API", None)]
 
 
 def test_serve_stops_when_asked(monkeypatch):
@@ -251,3 +253,139 @@ def test_forgetting_a_fab_keeps_the_modules_of_a_folder_that_only_shares_its_pre
     finally:
         sys.modules.pop("fab_a_mod", None)
         sys.modules.pop("fab_ab_mod", None)
+
+
+def test_the_real_clientapp_answers_every_bad_message_with_an_error_and_serves_the_next(monkeypatch, server_identity, caplog):
+    """Malformed and unexpected messages through ``serve`` and nefl-zoo's own ClientApp: each
+    gets an error reply for that message and one log line without a traceback; the messages
+    after them are served, and the process never exits (not even on ``SystemExit``)."""
+    import json
+
+    from flwr.app import Array, ArrayRecord, Context, MessageType
+
+    from nefl_zoo.fl.device import Placement
+    from nefl_zoo.fl.flower import client as flower_client
+    from nefl_zoo.fl.flower.nodes import NODE, SETUP
+    from nefl_zoo.fl.flower.records import CLIENT, instruction_content
+    from nefl_zoo.fl.strategy import Instruction
+
+    class Failing:  # a method whose training fails: raises, or exits the process as some libraries do
+        def train(self, instruction, dataset, state):
+            if instruction.config["fail"] == "exit":
+                sys.exit(3)
+            raise RuntimeError("CUDA out of memory\n(a second line)")
+
+    class Data:
+        def client_dataset(self, partition):
+            return [partition]
+
+    real_method = flower_client._method
+    monkeypatch.setattr(flower_client, "_method", lambda config, root, device: (Failing(), Data(), Placement())
+                        if config == "good" else real_method(config, root, device))
+
+    def setup(run, config):
+        return Message(RecordDict({SETUP: ConfigRecord({"run": run, "config": config})}), 3, MessageType.QUERY)
+
+    def train(run, fail="raise", **records):
+        content = instruction_content(Instruction(arrays={}, config={"fail": fail}), run, {})
+        for name, record in records.items():
+            content[name] = record
+        return Message(content, 3, MessageType.TRAIN)
+
+    garbage = ArrayRecord({"tensors": Array(dtype="uint8", shape=(4,), stype="nefl.safetensors", data=b"\xff" * 4)})
+    other = Message(RecordDict(), 3, MessageType.QUERY)
+    other.metadata.__dict__["_message_id"] = "another message"
+    bad_json = json.dumps({"method": "bogus"})
+    tasks = {  # token: (message, app: None for nefl-zoo's ClientApp, what its error reply says or None when it succeeds)
+        "wrong-type": (Message(RecordDict(), 3, "query.bogus"), None, "No query function registered with name 'bogus'"),
+        "unknown-type": (Message(RecordDict(), 3, "reconnect"), None, "Invalid message type: reconnect"),
+        "no-records": (Message(RecordDict(), 3, MessageType.TRAIN), None, "not a nefl-zoo instruction: no 'nefl.run' or 'nefl.fields'"),
+        "no-setup-record": (Message(RecordDict(), 3, MessageType.QUERY), None, "not a nefl-zoo setup message"),
+        "setup-bad": (setup("bad", bad_json), None, None),  # answered: its first train message reports why
+        "bad-config": (train("bad"), None, "method"),
+        "not-set-up": (train("unknown"), None, "this node was not set up for run unknown"),
+        "setup-good": (setup("good", "good"), None, None),
+        "undecodable": (train("good", **{CLIENT: garbage}), None, "the tensor record does not decode"),
+        "training-raises": (train("good"), None, "CUDA out of memory"),
+        "training-exits": (train("good", fail="exit"), None, "SystemExit"),
+        "answers-none": (setup("good", "good"), lambda message, context: None, "answered with NoneType, not a reply"),
+        "answers-another": (setup("good", "good"), lambda message, context: Message(RecordDict(), reply_to=other),
+                            "a Message that replies to another message"),
+        "ok": (setup("good", "good"), None, None),
+    }
+    for message, _, _ in tasks.values():  # as Flower's pull_task_input sets it
+        message.metadata.__dict__["_message_id"] = message.object_id
+    context = Context(run_id=1, node_id=3, node_config={"partition-id": 1, "num-partitions": 4}, state=RecordDict(), run_config={})
+    node = SuperNode([Acquired(token) for token in tasks])
+
+    class Heartbeat:
+        def __init__(self, fn):
+            pass
+
+        start = stop = lambda self: None
+
+    monkeypatch.setattr(worker, "_client", node.client)
+    monkeypatch.setattr(worker, "HeartbeatSender", Heartbeat)
+    monkeypatch.setattr(worker, "pull_task_input", lambda client: (tasks[client.token][0], context, client.token, "fab"))
+    monkeypatch.setattr(worker._Apps, "get", lambda self, token, fab: tasks[token][1] or flower_client.app)
+    monkeypatch.setattr(worker, "push_message", lambda client, reply, ctx: node.pushed.__setitem__(client.token, (reply, ctx)))
+    monkeypatch.setattr(worker, "push_task_output", lambda client, context, sub_status, details: node.outputs.append(
+        (client.token, sub_status)))
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo"):
+        assert worker.serve(ADDRESS, insecure=True, poll=0.001, max_tasks=len(tasks)) == len(tasks)
+
+    assert list(node.pushed) == list(tasks)  # every message answered, in order
+    for token, (message, _, error) in tasks.items():
+        reply, _ = node.pushed[token]
+        assert reply.metadata.reply_to_message_id == message.metadata.message_id, token
+        if error is None:
+            assert not reply.has_error() and dict(reply.content.config_records[NODE]) == {"partition-id": 1, "num-partitions": 4}
+        else:
+            assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION, token
+            assert error in reply.error.reason, (token, reply.error.reason)
+    assert node.outputs == [(t, SubStatus.FAILED if e else SubStatus.COMPLETED) for t, (_, _, e) in tasks.items()]
+    logged = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert len(logged) == len(tasks) - 2  # one line per bad message (the bad setup's warning included), none for the 2 good
+    assert all(exc_info is None and "\n" not in text for _, text, exc_info in logged), logged  # no traceback
+    assert logged[4][1].startswith("run bad could not be set up on this node (its first message will fail): ")
+    errors = [text for level, text, _ in logged if level == logging.ERROR]
+    assert errors[0] == f"query.bogus message {tasks['wrong-type'][0].metadata.message_id}: answered with an error: " \
+                        "ValueError: No query function registered with name 'bogus'"
+    assert errors[-4].endswith("answered with an error: RuntimeError: CUDA out of memory")  # its first line only
+    assert errors[-3].endswith("answered with an error: SystemExit: 3")
+    assert errors[-2].endswith("answered with an error: TypeError: the ClientApp answered with NoneType, not a reply to the message")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runtime-api-address", "host:"], "--runtime-api-address: must be HOST:PORT, got 'host:' (no port)"),
+    (["--runtime-api-address", ":80"], "--runtime-api-address: must be HOST:PORT, got ':80' (no host)"),
+    (["--runtime-api-address", "host:99999"], "--runtime-api-address: must be HOST:PORT, got 'host:99999' (the port must be in 1..65535)"),
+    (["--runtime-api-address", "a b:1"], "--runtime-api-address: must be HOST:PORT, got 'a b:1' ('a b' is not a host name or an IP address)"),
+    (["--runtime-api-address", "::1:9094"], "--runtime-api-address: must be HOST:PORT, got '::1:9094' (an IPv6 address goes in brackets: [::1]:9094)"),
+    (["--poll", "inf"], "--poll: must be a number in (0, 3600], got inf"),
+    (["--poll", "nan"], "--poll: must be a number in (0, 3600], got nan"),
+    (["--poll", "-1"], "--poll: must be a number in (0, 3600], got -1.0"),
+    (["--poll", "1e9"], "--poll: must be a number in (0, 3600], got 1000000000.0"),
+    (["--root-certificates", "ca.pem"], "--insecure or --root-certificates: give one"),
+])
+def test_clientapp_refuses_bad_options_in_one_line_before_it_serves(args, message, monkeypatch):
+    """Each of these used to reach ``serve``, which waited for ever for a SuperNode at an
+    address that cannot exist (or polled every ``inf`` seconds)."""
+    from typer.testing import CliRunner
+
+    from nefl_zoo_cli.app import app
+
+    served = []
+    monkeypatch.setattr(worker, "serve", lambda *args, **kwargs: served.append(args))
+    result = CliRunner().invoke(app, ["clientapp", "--insecure", *args])
+    assert result.exit_code == 2 and served == [], result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.output
+
+
+def test_serve_refuses_a_malformed_address_or_poll_before_it_connects(monkeypatch):
+    monkeypatch.setattr(worker, "_client", lambda *args: pytest.fail("connected"))
+    with pytest.raises(ValueError, match=r"^address: must be HOST:PORT, got 'host:99999' \(the port must be in 1\.\.65535\)$"):
+        worker.serve("host:99999", poll=1.0, insecure=True)
+    with pytest.raises(ValueError, match=r"^poll: must be a number in \(0, 3600\], got inf$"):
+        worker.serve(ADDRESS, poll=float("inf"), insecure=True)

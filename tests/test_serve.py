@@ -254,12 +254,22 @@ def test_a_missing_onnxruntime_web_names_npm_ci(tmp_path, web, export, unchecked
     assert "onnxruntime-web is not installed" in line and "cd web && " in line and "npm ci" in line
 
 
-@pytest.mark.parametrize(
-    "args, message", [(["--samples", 0], "--samples: must be >= 1"), (["--port", 70000], "--port: must be in 0..65535")]
-)
-def test_bad_options_are_one_line_and_exit_2(export, args, message):
+@pytest.mark.parametrize("args, message", [
+    (["--samples", 0], "--samples: must be an integer in 1..10000, got 0"),
+    (["--samples", 10**6], "--samples: must be an integer in 1..10000, got 1000000"),
+    (["--port", 70000], "--port: must be an integer in 0..65535, got 70000"),
+    (["--port", -1], "--port: must be an integer in 0..65535, got -1"),
+    (["--host", "a b"], "--host: must be a host name or an IP address, got 'a b'"),
+    (["--host", "host:"], "--host: must be a host name or an IP address, got 'host:'"),
+    (["--host", ""], "--host: must be a host name or an IP address, got ''"),
+])
+def test_bad_options_are_one_line_and_exit_2(export, args, message, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("options out of bounds reached the server")
+
+    monkeypatch.setattr(serve, "make_server", never)  # refused before: nothing is prepared or served
     code, output = invoke(export, *args)
-    assert code == 2 and message in one_error(output)
+    assert code == 2 and one_error(output) == f"error: {message}"
 
 
 def test_a_port_in_use_is_one_line_and_exit_2(web, export, unchecked, monkeypatch):

@@ -152,12 +152,17 @@ INVALID_DEADLINES = [{"ms": 0}, {"ms": -1.0}, {"ms": 10.0, "percentile": 0}, {"m
                      {"ms": 10.0, "window": 0}, {"ms": 10.0, "recent": 0}, {"ms": 10.0, "window": 2.5},
                      {"ms": 10.0, "headroom": 1.5}, {"ms": 10.0, "probe_after_s": -0.1},
                      {"ms": 10.0, "up_margin": 1.0}, {"ms": 10.0, "max_backoff": 0.5},
-                     {"ms": 10.0, "min_speedup": 0.9}]
+                     {"ms": 10.0, "min_speedup": 0.9}, {"ms": 86_400_001}, {"ms": 0.0005},
+                     {"ms": 10.0, "window": 10_001}, {"ms": 10.0, "recent": 10_001},
+                     {"ms": 10.0, "probe_after_s": 86_401}, {"ms": 10.0, "max_backoff": 1_000_001},
+                     {"ms": 10.0, "min_speedup": 1_001}]
 
 INVALID_CANDIDATES = [{"label": "", "accuracy": 0.5, "macs": 1, "expected_ms": 1.0},
                       {"label": "x", "accuracy": 0.5, "macs": -1, "expected_ms": 1.0},
                       {"label": "x", "accuracy": 0.5, "macs": 1.5, "expected_ms": 1.0},
-                      {"label": "x", "accuracy": 0.5, "macs": 1, "expected_ms": 0}]
+                      {"label": "x", "accuracy": 0.5, "macs": 1, "expected_ms": 0},
+                      {"label": "x", "accuracy": 0.5, "macs": 1, "expected_ms": 0.0005},
+                      {"label": "x", "accuracy": 0.5, "macs": 1, "expected_ms": 86_400_001}]
 
 
 def run_case(case: dict) -> dict:

@@ -51,11 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from .latency import measure_latency_table
+    from .latency import check_counts, measure_latency_table
     from .tiers import TierRuntime
 
-    if args.threads is not None and args.threads < 1:
-        _fail(f"--threads: must be >= 1, got {args.threads}")
+    check_counts(args.batch, args.runs, args.warmup, args.threads, prefix="--")  # before the package is read
     runtime = TierRuntime(args.package, threads=args.threads)
     labels = [part.strip() for part in args.labels.split(",")] if args.labels else None
     table = measure_latency_table(runtime, args.batch, args.runs, args.warmup, labels)

@@ -46,15 +46,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
+from ..bounds import MAX_MS, MAX_WAIT_S, MAX_WINDOW, MIN_MS, number
 
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+MAX_BACKOFF = 1_000_000  # probes at most once per million quiet periods
+MAX_SPEEDUP = 1_000  # a ladder spaced wider than that has a single rung
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One (tier, precision) entry: its label (``g0.6``, ``g0.6:int8``), accuracy (``None``:
-    not measured), MACs and its latency on this device at the request batch when idle."""
+    not measured), MACs and its latency on this device at the request batch when idle (from a
+    microsecond to a day)."""
 
     label: str
     accuracy: float | None
@@ -68,10 +70,8 @@ class Candidate:
             isinstance(self.accuracy, (int, float)) and math.isfinite(self.accuracy)
         ):
             raise ValueError(f"Candidate {self.label!r}: accuracy must be a finite number or None, got {self.accuracy!r}")
-        if isinstance(self.macs, bool) or not isinstance(self.macs, int) or self.macs < 0:
-            raise ValueError(f"Candidate {self.label!r}: macs must be an integer >= 0, got {self.macs!r}")
-        if not _positive(self.expected_ms):
-            raise ValueError(f"Candidate {self.label!r}: expected_ms must be a finite number > 0, got {self.expected_ms!r}")
+        number(f"Candidate {self.label!r} macs", self.macs, 0, integer=True)
+        number(f"Candidate {self.label!r} expected_ms", self.expected_ms, MIN_MS, MAX_MS)
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,11 @@ class Deadline:
     slowdown of the slowest of the last ``recent`` requests; ``probe_after_s`` is the quiet
     period before a probe, multiplied by a backoff of at most ``max_backoff`` after failed
     probes; ``min_speedup`` is the least latency ratio between neighbouring rungs.
+
+    Every setting is checked (``ValueError`` naming it): ``ms`` from a microsecond to a day,
+    ``window`` and ``recent`` at most 10000, ``probe_after_s`` at most a day, ``max_backoff``
+    at most a million and ``min_speedup`` at most 1000, so no product of them overflows and no
+    quiet period is endless.
     """
 
     ms: float
@@ -97,21 +102,18 @@ class Deadline:
     min_speedup: float = 1.2
 
     def __post_init__(self) -> None:
-        def check(name: str, ok: bool, want: str) -> None:
-            if not ok:
-                raise ValueError(f"Deadline.{name}: must be {want}, got {getattr(self, name)!r}")
+        def check(name: str, low: float, high: float, **kind: bool) -> None:
+            number(f"Deadline.{name}", getattr(self, name), low, high, **kind)
 
-        check("ms", _positive(self.ms), "a finite number > 0")
-        check("percentile", _positive(self.percentile) and self.percentile <= 100, "a number in (0, 100]")
-        for name in ("window", "recent"):
-            value = getattr(self, name)
-            check(name, isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1")
-        check("headroom", _positive(self.headroom) and self.headroom <= 1, "a number in (0, 1]")
-        probe_ok = self.probe_after_s == 0 or _positive(self.probe_after_s)
-        check("probe_after_s", probe_ok, "a finite number >= 0")
-        check("up_margin", _positive(self.up_margin) and self.up_margin < 1, "a number in (0, 1)")
-        check("max_backoff", _positive(self.max_backoff) and self.max_backoff >= 1, "a finite number >= 1")
-        check("min_speedup", _positive(self.min_speedup) and self.min_speedup >= 1, "a finite number >= 1")
+        check("ms", MIN_MS, MAX_MS)
+        check("percentile", 0, 100, open_low=True)
+        check("window", 1, MAX_WINDOW, integer=True)
+        check("recent", 1, MAX_WINDOW, integer=True)
+        check("headroom", 0, 1, open_low=True)
+        check("probe_after_s", 0, MAX_WAIT_S)
+        check("up_margin", 0, 1, open_low=True, open_high=True)
+        check("max_backoff", 1, MAX_BACKOFF)
+        check("min_speedup", 1, MAX_SPEEDUP)
 
 
 class Switch(NamedTuple):
@@ -233,10 +235,9 @@ class AdaptivePolicy:
     def observe(self, label: str, ms: float) -> None:
         """Record that ``label`` served a request in ``ms`` milliseconds; steps down at once
         when that threatens the deadline. ``ValueError`` for an unknown label or a latency
-        that is negative or not a number."""
+        that is not a number from 0 to a day."""
         baseline = self._baseline[self._known(label)]
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not (ms >= 0 and math.isfinite(ms)):
-            raise ValueError(f"ms: must be a finite number >= 0, got {ms!r}")
+        number("ms", ms, 0, MAX_MS)
         now = self._clock()
         ratio = ms / baseline
         self._ratios.append(ratio)

@@ -2,7 +2,8 @@
 ``select --latency-table`` reads, so a host can choose a tier for a device it never ran on.
 
 numpy, onnxruntime, pydantic and the standard library only. The file (JSON; every field
-required, every number finite)::
+required, every number finite and within :mod:`nefl_zoo.bounds`: latencies up to a day, batches
+up to 65536, runs and warmup up to 100000, threads up to 1024)::
 
     schema           "nefl-zoo-latency-table"
     version          1
@@ -36,6 +37,7 @@ import numpy as np
 import onnxruntime as ort
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from ..bounds import MAX_BATCH, MAX_MS, MAX_RUNS, MAX_THREADS, number
 from ..manifest import Machine, Manifest
 from ..userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 from .session import CPU_PROVIDER
@@ -58,8 +60,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-NonNegative = Annotated[float, Field(ge=0)]
-Positive = Annotated[int, Field(ge=1)]
+Milliseconds = Annotated[float, Field(ge=0, le=MAX_MS)]  # 0: a clock too coarse for the run
+Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
+Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
+Runs = Annotated[int, Field(ge=1, le=MAX_RUNS)]
 
 
 class LatencyEntry(_Strict):
@@ -67,10 +71,10 @@ class LatencyEntry(_Strict):
 
     label: str = Field(min_length=1)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the tier file timed")
-    batch: Positive
-    median_ms: NonNegative
-    p95_ms: NonNegative
-    runs: Positive
+    batch: Batch
+    median_ms: Milliseconds
+    p95_ms: Milliseconds
+    runs: Runs
 
     @model_validator(mode="after")
     def _ordered(self) -> "LatencyEntry":
@@ -87,9 +91,9 @@ class LatencyTable(_Strict):
     model: str
     manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     machine: Machine
-    threads: Positive | None
-    runs: Positive
-    warmup: Annotated[int, Field(ge=0)]
+    threads: Threads | None
+    runs: Runs
+    warmup: Annotated[int, Field(ge=0, le=MAX_RUNS)]
     entries: list[LatencyEntry] = Field(min_length=1)
     _source: str = PrivateAttr("the latency table")  # the file it was read from, for errors
 
@@ -221,6 +225,22 @@ def interleaved_times_ms(
     return times
 
 
+def check_counts(batches: Sequence[int], runs: int, warmup: int, threads: int | None = None, prefix: str = "") -> None:
+    """``ValueError`` naming (after ``prefix``: ``--`` for options) the first count of a
+    benchmark out of its bounds: each batch in 1..65536 (at least one, each once), ``runs`` in
+    1..100000, ``warmup`` in 0..100000, ``threads`` (``None``: onnxruntime's default) in 1..1024."""
+    number(f"{prefix}runs", runs, 1, MAX_RUNS, integer=True)
+    number(f"{prefix}warmup", warmup, 0, MAX_RUNS, integer=True)
+    if threads is not None:
+        number(f"{prefix}threads", threads, 1, MAX_THREADS, integer=True)
+    if not batches:
+        raise ValueError(f"{prefix}batch: give at least one batch size")
+    for batch in batches:
+        number(f"{prefix}batch", batch, 1, MAX_BATCH, integer=True)
+    if len(set(batches)) != len(batches):
+        raise ValueError(f"{prefix}batch: each size once, got {list(batches)}")
+
+
 def measure_latency_table(
     runtime: TierRuntime, batches: Sequence[int], runs: int, warmup: int, labels: Sequence[str] | None = None,
     clock: Callable[[], float] = time.perf_counter,
@@ -229,13 +249,7 @@ def measure_latency_table(
     on a seeded random batch, the entries interleaved round by round (``warmup`` untimed
     rounds, then ``runs`` timed ones). ``ValueError`` for a bad count or a batch the export
     cannot take or that cannot fit in memory, before anything is timed."""
-    for name, value, least in (("runs", runs, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name}: must be an integer >= {least}, got {value}")
-    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
-        raise ValueError(f"batch: expected integers >= 1, got {list(batches)}")
-    if len(set(batches)) != len(batches):
-        raise ValueError(f"batch: each size once, got {list(batches)}")
+    check_counts(batches, runs, warmup, runtime.threads)
     chosen = [runtime.resolve(label) for label in labels] if labels else [t.label for t in runtime.manifest.tiers]
     fixed, spec = runtime.manifest.input.batch, runtime.manifest.input
     for batch in batches:

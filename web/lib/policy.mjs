@@ -11,8 +11,30 @@
  *   policy.observe(label, elapsedMs);
  */
 
-const isPositive = (v) => typeof v === "number" && Number.isFinite(v) && v > 0;
 const repr = (v) => (typeof v === "string" ? `'${v}'` : String(v));
+
+// nefl_zoo/bounds.py's limits and its `number` check, with the same messages.
+export const MIN_MS = 0.001; // a microsecond
+export const MAX_MS = 86_400_000; // a day, in ms
+const MAX_WAIT_S = 86_400; // a day
+const MAX_WINDOW = 10_000;
+const MAX_BACKOFF = 1_000_000;
+const MAX_SPEEDUP = 1_000;
+
+/** `value` if it is a number (an integer when `integer`) from `low` to `high`, the ends
+ * excluded when `openLow` / `openHigh`; else an Error `NAME: must be a number in (0, 1], got 1.5`. */
+export function number(name, value, low, high = Infinity, { openLow = false, openHigh = false, integer = false } = {}) {
+  const ok = typeof value === "number" && Number.isFinite(value) && (!integer || Number.isInteger(value))
+    && (openLow ? value > low : value >= low) && (openHigh ? value < high : value <= high);
+  if (!ok) {
+    const want = integer
+      ? (high === Infinity ? `an integer >= ${low}` : `an integer in ${low}..${high}`)
+      : (high === Infinity ? `a finite number ${openLow ? ">" : ">="} ${low}`
+        : `a number in ${openLow ? "(" : "["}${low}, ${high}${openHigh ? ")" : "]"}`);
+    throw new Error(`${name}: must be ${want}, got ${repr(value)}`);
+  }
+  return value;
+}
 
 /** Python's `format(x, ".3g")` (round half to even on the exact binary value, like CPython). */
 export function format3g(x) {
@@ -48,36 +70,31 @@ export class Candidate {
     if (accuracy !== null && !(typeof accuracy === "number" && Number.isFinite(accuracy))) {
       throw new Error(`Candidate '${label}': accuracy must be a finite number or null, got ${repr(accuracy)}`);
     }
-    if (!Number.isInteger(macs) || macs < 0) {
-      throw new Error(`Candidate '${label}': macs must be an integer >= 0, got ${repr(macs)}`);
-    }
-    if (!isPositive(expectedMs)) {
-      throw new Error(`Candidate '${label}': expectedMs must be a finite number > 0, got ${repr(expectedMs)}`);
-    }
+    number(`Candidate '${label}' macs`, macs, 0, Infinity, { integer: true });
+    number(`Candidate '${label}' expectedMs`, expectedMs, MIN_MS, MAX_MS);
     Object.assign(this, { label, accuracy, macs, expectedMs });
     Object.freeze(this);
   }
 }
 
-/** The policy's settings (Python's `Deadline`, same defaults and validation, camelCase names):
- * each request should finish within `ms`. */
+/** The policy's settings (Python's `Deadline`, same defaults, limits and messages, camelCase
+ * names): each request should finish within `ms`. */
 export class Deadline {
   constructor({
     ms, percentile = 95.0, window = 20, headroom = 0.9, probeAfterS = 0.5, upMargin = 0.9,
     maxBackoff = 32.0, recent = 3, minSpeedup = 1.2,
   }) {
     Object.assign(this, { ms, percentile, window, headroom, probeAfterS, upMargin, maxBackoff, recent, minSpeedup });
-    const check = (name, ok, want) => {
-      if (!ok) throw new Error(`Deadline.${name}: must be ${want}, got ${repr(this[name])}`);
-    };
-    check("ms", isPositive(ms), "a finite number > 0");
-    check("percentile", isPositive(percentile) && percentile <= 100, "a number in (0, 100]");
-    for (const name of ["window", "recent"]) check(name, Number.isInteger(this[name]) && this[name] >= 1, "an integer >= 1");
-    check("headroom", isPositive(headroom) && headroom <= 1, "a number in (0, 1]");
-    check("probeAfterS", probeAfterS === 0 || isPositive(probeAfterS), "a finite number >= 0");
-    check("upMargin", isPositive(upMargin) && upMargin < 1, "a number in (0, 1)");
-    check("maxBackoff", isPositive(maxBackoff) && maxBackoff >= 1, "a finite number >= 1");
-    check("minSpeedup", isPositive(minSpeedup) && minSpeedup >= 1, "a finite number >= 1");
+    const check = (name, low, high, kind) => number(`Deadline.${name}`, this[name], low, high, kind);
+    check("ms", MIN_MS, MAX_MS);
+    check("percentile", 0, 100, { openLow: true });
+    check("window", 1, MAX_WINDOW, { integer: true });
+    check("recent", 1, MAX_WINDOW, { integer: true });
+    check("headroom", 0, 1, { openLow: true });
+    check("probeAfterS", 0, MAX_WAIT_S);
+    check("upMargin", 0, 1, { openLow: true, openHigh: true });
+    check("maxBackoff", 1, MAX_BACKOFF);
+    check("minSpeedup", 1, MAX_SPEEDUP);
     Object.freeze(this);
   }
 }
@@ -174,9 +191,7 @@ export class AdaptivePolicy {
   observe(label, ms) {
     const d = this.deadline;
     const baseline = this._baseline.get(this._known(label));
-    if (!(typeof ms === "number" && ms >= 0 && Number.isFinite(ms))) {
-      throw new Error(`ms: must be a finite number >= 0, got ${repr(ms)}`);
-    }
+    number("ms", ms, 0, MAX_MS);
     const now = this._clock();
     const ratio = ms / baseline;
     push(this._ratios, ratio, d.window);

@@ -412,10 +412,10 @@ function setDeadlineRange() {
   // first: a deadline the middle tier meets with room to probe back up to it after a load
   const middle = [...mine].sort((a, b) => a - b)[Math.floor((mine.length - 1) / 2)];
   const chosen = adaptive.deadlineSet ? Number(slider.value) : middle / 0.7;
-  slider.min = (lo * 0.5).toFixed(3);
+  slider.min = Math.max(lo * 0.5, 1e-3).toFixed(3); // Deadline.ms is at least a microsecond
   slider.max = (hi * 3).toFixed(3);
   slider.step = (lo / 20).toPrecision(2);
-  slider.value = Math.min(Math.max(chosen, lo * 0.5), hi * 3).toFixed(3);
+  slider.value = Math.min(Math.max(chosen, Number(slider.min)), hi * 3).toFixed(3);
   adaptive.deadlineSet = true;
   showDeadline();
 }

@@ -32,8 +32,16 @@ test("invalid settings and candidates are refused as in Python", () => {
   assert.throws(() => new AdaptivePolicy([c, c], new Deadline({ ms: 1 })), /duplicate labels a/);
   const policy = new AdaptivePolicy([c], new Deadline({ ms: 1 }), () => 0);
   assert.throws(() => policy.observe("b", 1), /'b' is not a candidate \(a\)/);
-  assert.throws(() => policy.observe("a", -1), /ms: must be a finite number >= 0/);
+  assert.throws(() => policy.observe("a", -1), /^Error: ms: must be a number in \[0, 86400000\], got -1$/);
   assert.throws(() => policy.observe("a", NaN), /ms: must be/);
+  assert.throws(() => policy.observe("a", 1e308), /ms: must be a number in \[0, 86400000\], got 1e\+308/);
+  // the same words as Python's (tests/test_adaptive.py), numbers written alike
+  assert.throws(() => new Deadline({ ms: 1, window: 10001 }), /^Error: Deadline\.window: must be an integer in 1\.\.10000, got 10001$/);
+  assert.throws(() => new Deadline({ ms: 1, upMargin: 1 }), /^Error: Deadline\.upMargin: must be a number in \(0, 1\), got 1$/);
+  assert.throws(() => new Deadline({ ms: 0 }), /^Error: Deadline\.ms: must be a number in \[0\.001, 86400000\], got 0$/);
+  assert.throws(() => new Candidate({ label: "x", macs: -1, expectedMs: 1 }), /^Error: Candidate 'x' macs: must be an integer >= 0, got -1$/);
+  const top = new Deadline({ ms: 86_400_000, window: 10_000, recent: 10_000, probeAfterS: 86_400, maxBackoff: 1e6, minSpeedup: 1000 });
+  assert.equal(top.window, 10_000);
 });
 
 for (const c of TRACES.cases) {

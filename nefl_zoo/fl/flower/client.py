@@ -62,7 +62,9 @@ def _method(config_json: str, data_root: str, device: str) -> tuple[Strategy, Fe
 @app.query()
 def setup(message: Message, context: Context) -> Message:
     """Keep the run's configuration; answer with this node's partition and resource level."""
-    run = message.content.config_records[SETUP]
+    run = message.content.config_records.get(SETUP)
+    if run is None or "run" not in run or "config" not in run:
+        raise ValueError(f"not a nefl-zoo setup message: no {SETUP!r} record with run and config")
     runs = context.state.config_records.get(RUNS) or ConfigRecord()
     runs[str(run["run"])] = str(run["config"])
     context.state[RUNS] = runs
@@ -98,6 +100,8 @@ def _serve(kind: str, message: Message, context: Context) -> Message:
     runs = context.state.config_records.get(RUNS) or {}
     if run not in runs:
         raise RuntimeError(f"this node was not set up for run {run} (no setup message reached it)")
+    if "partition-id" not in context.node_config:
+        raise ValueError("this node's node_config has no partition-id (flower-supernode --node-config 'partition-id=0 num-partitions=N')")
     strategy, data, where = _built(str(runs[run]), context)
     partition = int(context.node_config["partition-id"])
     with placed(where):

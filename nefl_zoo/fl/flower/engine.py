@@ -29,11 +29,12 @@ from pathlib import Path
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from ...bounds import number
 from ..config import ConfigError, RunConfig
 from ..engine import Engine
 from ..secagg import weight_scale
 from ..strategy import ClientInfo, Instruction, Reply
-from .nodes import NodeRegistry, collect
+from .nodes import NodeRegistry, check_waits, collect
 from .records import error_reply, instruction_content, read_reply
 from .secure import SecureMethod, check_secure
 
@@ -58,8 +59,9 @@ class FlowerEngine(Engine):
         grid: the ``ServerApp``'s grid.
         timeout: seconds to wait for a round's replies; a node without a reply by then counts as
             a rejected reply (the round completes with the others).
-        min_nodes: nodes to wait for before the first round (default: ``clients.num_clients``,
-            so every partition takes part as in the embedded engine).
+        min_nodes: nodes to wait for before the first round, 1 to ``clients.num_clients``
+            (default: all, so every partition takes part as in the embedded engine).
+        poll: seconds between two pulls for replies (:func:`~.nodes.check_waits`, as ``timeout``).
         stop: set it to end the run while it waits for nodes or replies
             (:class:`~nefl_zoo.fl.flower.nodes.Stopped`).
     """
@@ -69,12 +71,15 @@ class FlowerEngine(Engine):
     def __init__(self, config: RunConfig, out_dir: str | Path, grid: Grid, *, timeout: float = 3600.0,
                  min_nodes: int | None = None, stop: threading.Event | None = None, poll: float = 0.1):
         check_flower_config(config)
+        check_waits(timeout, poll)
+        if min_nodes is not None:
+            number("min_nodes", min_nodes, 1, config.clients.num_clients, integer=True)
         super().__init__(config, out_dir)
         self.grid, self.timeout, self.poll = grid, timeout, poll
         self.min_nodes = config.clients.num_clients if min_nodes is None else min_nodes
         levels = [t.name for t in config.submodel_spec().tiers]
         self.nodes = NodeRegistry(uuid.uuid4().hex, json.dumps(config.to_dict()), self.clients, levels,
-                                  timeout=timeout, stop=stop)
+                                  timeout=timeout, poll=poll, stop=stop)
         self._started = False
         self.secure: SecureMethod | None = None
         if config.secure_aggregation is not None:

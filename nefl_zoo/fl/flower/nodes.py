@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from ...bounds import MAX_POLL_S, MAX_TIMEOUT_S, number
 from ..strategy import ClientInfo
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,20 @@ class Stopped(RuntimeError):
     """The run was stopped while it waited for nodes or replies."""
 
 
+def check_waits(timeout: float, poll: float) -> None:
+    """``ValueError`` naming ``timeout`` (seconds to wait for replies: more than 0, at most a
+    week) or ``poll`` (seconds between two pulls: more than 0, at most an hour) when out of
+    bounds, so that no wait is endless or a busy loop."""
+    number("timeout", timeout, 0, MAX_TIMEOUT_S, open_low=True)
+    number("poll", poll, 0, MAX_POLL_S, open_low=True)
+
+
 def collect(grid: Grid, messages: Sequence[Message], timeout: float, poll: float = 0.1,
             stop: threading.Event | None = None) -> list[Message]:
     """Push ``messages`` and pull their replies until all are in or ``timeout`` seconds passed
     (``Grid.send_and_receive`` polls a SuperLink only every 3 s); :class:`Stopped` if ``stop``
-    is set meanwhile."""
+    is set meanwhile. ``ValueError`` (:func:`check_waits`) before anything is pushed."""
+    check_waits(timeout, poll)
     pending = {i for i in grid.push_messages(messages) if i}
     replies: list[Message] = []
     deadline = time.monotonic() + timeout
@@ -75,12 +85,14 @@ class NodeRegistry:
         config_json: the resolved run configuration, sent to every node in its setup message.
         defaults: the configured clients (partition ids ``0..M-1`` and their default levels).
         tiers: the run spec's tier names (resource levels), in spec order.
-        timeout: seconds to wait for setup replies.
+        timeout: seconds to wait for setup replies; poll: seconds between two pulls for them
+            (:func:`check_waits`).
         stop: when set, waiting for nodes or replies ends with :class:`Stopped`.
     """
 
     def __init__(self, run: str, config_json: str, defaults: Sequence[ClientInfo], tiers: Sequence[str],
                  timeout: float = 60.0, poll: float = 0.1, stop: threading.Event | None = None):
+        check_waits(timeout, poll)
         self.run, self.config_json, self.timeout, self.poll = run, config_json, timeout, poll
         self.stop = stop or threading.Event()
         self.defaults = {c.cid: c for c in defaults}
@@ -94,7 +106,9 @@ class NodeRegistry:
 
     def refresh(self, grid: Grid, min_nodes: int = 1) -> list[ClientInfo]:
         """Set up newly connected nodes, forget departed ones, and return the clients of the
-        connected nodes (by partition id); wait until at least ``min_nodes`` are there."""
+        connected nodes (by partition id); wait until at least ``min_nodes`` are there (1 to
+        the number of clients: no more nodes than clients are ever set up)."""
+        number("min_nodes", min_nodes, 1, len(self.defaults), integer=True)
         waited = 0.0
         while True:
             connected = set(grid.get_node_ids())

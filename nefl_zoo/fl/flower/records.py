@@ -112,9 +112,17 @@ def instruction_content(instruction: Instruction, run: str, client_state: Mappin
 
 
 def read_instruction(content: RecordDict) -> tuple[Instruction, str, State]:
-    """An instruction message's content: the instruction, its run and the client's state."""
+    """An instruction message's content: the instruction, its run and the client's state;
+    ``ValueError`` in one line for content that is not an instruction or does not decode."""
+    missing = [name for name in (RUN, SCALARS) if name not in content.config_records]
+    if missing:
+        raise ValueError(f"not a nefl-zoo instruction: no {' or '.join(map(repr, missing))} record (has {sorted(content) or 'none'})")
     client = content.array_records.get(CLIENT)
-    return _read(Instruction, content), str(content.config_records[RUN]["run"]), to_state(client) if client is not None else {}
+    try:
+        run = str(content.config_records[RUN]["run"])
+        return _read(Instruction, content), run, to_state(client) if client is not None else {}
+    except (KeyError, TypeError) as exc:  # a field missing or of the wrong kind
+        raise ValueError(f"the instruction does not decode: {type(exc).__name__}: {exc}") from None
 
 
 def reply_content(reply: Reply, client_state: Mapping[str, torch.Tensor] | None = None) -> RecordDict:

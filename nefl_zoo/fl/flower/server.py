@@ -17,6 +17,7 @@ from typing import Sequence
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from ...bounds import MAX_THREADS, MAX_TIMEOUT_S, number
 from ..config import RunConfig, apply_overrides, load_config, parse_config
 from ..device import gpu_share
 from ..engine import RunObserver, RunResult, resume_config
@@ -55,7 +56,11 @@ def simulate_runs(runs: Sequence[SimulatedRun], *, threads: int | None = None, c
     import torch
     from flwr.simulation import run_simulation
 
-    for run in runs:  # before Ray starts: a one-line error for what Flower cannot run
+    number("timeout", timeout, 0, MAX_TIMEOUT_S, open_low=True)  # before Ray starts: one line, not a failed ServerApp
+    for name, count in (("threads", threads), ("cpus", cpus)):
+        if count is not None:
+            number(name, count, 1, MAX_THREADS, integer=True)
+    for run in runs:
         check_flower_config(run.config)
     sizes = {r.config.clients.num_clients for r in runs}
     if len(sizes) != 1:
@@ -138,7 +143,9 @@ def server_app(app_dir: str | Path) -> ServerApp:
     ``out``: the run directory (relative: to the ServerApp's working directory, that of the
     SuperLink; empty: ``runs/NAME-METHOD-sSEED``); ``resume`` (continue ``out`` from its
     checkpoint, config from there), ``overwrite``; ``round-timeout``: seconds to wait for a
-    round's replies; ``min-nodes``: nodes to wait for before round 1 (0: ``clients.num_clients``).
+    round's replies (more than 0, at most a week); ``min-nodes``: nodes to wait for before
+    round 1 (0: ``clients.num_clients``; at most that). A setting of the wrong type or out of
+    bounds ends the run before any data is loaded, with one line naming it.
     """
     app = ServerApp()
 
@@ -147,16 +154,26 @@ def server_app(app_dir: str | Path) -> ServerApp:
         _log_to_stderr()
         rc = context.run_config
         overrides = [s.strip() for s in str(rc.get("overrides", "")).split(";") if s.strip()]
-        resume = bool(rc.get("resume", False))
+        resume, overwrite = (_flag(rc, key) for key in ("resume", "overwrite"))
+        timeout = number("run config round-timeout", rc.get("round-timeout", 3600.0), 0, MAX_TIMEOUT_S, open_low=True)
         out = str(rc.get("out", ""))
         if resume:
             cfg = parse_config(apply_overrides(resume_config(out).to_dict(), overrides, out), out)
         else:
             path = Path(str(rc["config"]))
             cfg = load_config(path if path.is_absolute() else Path(app_dir) / path, overrides)
+        min_nodes = number("run config min-nodes", rc.get("min-nodes", 0), 0, cfg.clients.num_clients, integer=True)
         out = out or f"runs/{cfg.name}-{cfg.method}-s{cfg.seed}"
-        engine = FlowerEngine(cfg, out, grid, timeout=float(rc.get("round-timeout", 3600.0)),
-                              min_nodes=int(rc.get("min-nodes", 0)) or None)
-        engine.run(resume=resume, overwrite=bool(rc.get("overwrite", False)), observer=_LogProgress())
+        engine = FlowerEngine(cfg, out, grid, timeout=float(timeout), min_nodes=min_nodes or None)
+        engine.run(resume=resume, overwrite=overwrite, observer=_LogProgress())
 
     return app
+
+
+def _flag(run_config, key: str) -> bool:
+    """A true/false setting of the run config (absent: false); ``ValueError`` for anything else
+    (the string ``"false"`` is not false)."""
+    value = run_config.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"run config {key}: must be true or false, got {value!r}")
+    return value

@@ -10,8 +10,13 @@ run the app; push the reply and the context), and asks for the next one, so impo
 once per node and the ClientApp's caches (:mod:`nefl_zoo.fl.flower.client` builds the method
 and its data once per configuration) survive from message to message.
 
-A task whose app fails is answered with Flower's error reply and the process goes on; a
-SuperNode that is away (restarting) is waited for. Start one per SuperNode::
+A message the app cannot serve (of a type it has no function for, without the records it
+needs, with arrays that do not decode, for a run whose configuration cannot be built) or that
+fails in training, even with ``SystemExit``, or an app that answers with anything but a reply to
+the message, gets Flower's error reply for that message, one ``ERROR`` log line (the traceback
+only at ``DEBUG``), and the process serves the next one. A reply the SuperNode cannot take is
+logged and given up; a SuperNode that is away (restarting) is waited for. Start one per
+SuperNode::
 
     flower-supernode --insecure --superlink HOST:9092 --isolation process --port 9094 ...
     nefl-zoo clientapp --runtime-api-address 127.0.0.1:9094 --insecure
@@ -39,6 +44,9 @@ from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVers
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+from ...bounds import MAX_POLL_S, address as checked_address, number
+from ...userfiles import one_line
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,26 @@ def _client(address: str, insecure: bool, root_certificates: bytes | None, inter
                                                  retry_invoker=make_simple_http_retry_invoker())
 
 
+def _answer(reply: object, message: Message) -> Message:
+    """``reply`` when it is a ``Message`` that replies to ``message``; ``TypeError`` otherwise."""
+    if not isinstance(reply, Message) or reply.metadata.reply_to_message_id != message.metadata.message_id:
+        got = type(reply).__name__ if not isinstance(reply, Message) else "a Message that replies to another message"
+        raise TypeError(f"the ClientApp answered with {got}, not a reply to the message")
+    return reply
+
+
+def _failed(message: Message | None, exc: BaseException) -> None:
+    """One log line for a message the app failed on (its traceback only at DEBUG)."""
+    text = one_line(str(exc).strip().splitlines()[0]) if str(exc).strip() else ""
+    why = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if message is None:
+        log.error("a task's message could not be read: %s", why)
+    else:
+        meta = message.metadata
+        log.error("%s message%s: answered with an error: %s", meta.message_type, f" {meta.message_id}" if meta.message_id else "", why)
+    log.debug("the ClientApp's traceback", exc_info=exc)
+
+
 def run_task(address: str, token: str, apps: _Apps, *, insecure: bool, root_certificates: bytes | None = None) -> None:
     """Run the ClientApp task that ``token`` grants, in this process, and report it to the SuperNode."""
     client = _client(address, insecure, root_certificates,
@@ -86,21 +114,20 @@ def run_task(address: str, token: str, apps: _Apps, *, insecure: bool, root_cert
     status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
     try:
         message, context, run, fab = pull_task_input(client)
-        reply = apps.get(run, fab)(message=message, context=context)
+        reply = _answer(apps.get(run, fab)(message=message, context=context), message)
         status, details = SubStatus.COMPLETED, ""
-    except Exception as exc:  # noqa: BLE001 - Flower's contract: any failure becomes an error reply
-        log.exception("ClientApp raised an exception")
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - Flower's contract: any failure becomes an error reply
+        _failed(message, exc)
         code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(exc, LoadClientAppError) else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
         details = f"{type(exc)}:<'{exc}'>"
-        if message is not None:
-            reply = Message(Error(code=code, reason=details), reply_to=message)
+        reply = Message(Error(code=code, reason=details), reply_to=message) if message is not None else None
     finally:
         try:
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client=client, context=context, sub_status=status, details=details)
-        except httpx.HTTPError as exc:  # the SuperNode went away mid-task: it gives the message up
-            log.warning("the reply could not be delivered to the SuperNode: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. the SuperNode went away mid-task: it gives the message up
+            log.warning("the reply could not be delivered to the SuperNode: %s", one_line(str(exc)) or type(exc).__name__)
         finally:
             heartbeat.stop()
             client.close()
@@ -110,7 +137,11 @@ def serve(address: str, *, poll: float, insecure: bool, root_certificates: bytes
           max_tasks: int | None = None, stop: threading.Event | None = None) -> int:
     """Serve the ClientApp tasks of the SuperNode whose Runtime API is at ``address`` until
     ``stop`` is set or ``max_tasks`` were run; returns the number of tasks run. Polls every
-    ``poll`` seconds while idle, and every second while the SuperNode cannot be reached."""
+    ``poll`` seconds while idle, and every second while the SuperNode cannot be reached.
+    ``ValueError`` at once for an ``address`` that is not ``HOST:PORT`` or a ``poll`` that is
+    not more than 0 and at most an hour (:mod:`nefl_zoo.bounds`)."""
+    checked_address("address", address)
+    number("poll", poll, 0, MAX_POLL_S, open_low=True)
     stop = stop or threading.Event()
     acquire = _client(address, insecure, root_certificates, [RuntimeVersionHttpInterceptor(component_name="SuperExec")])
     apps, done, away = _Apps(), 0, False
