@@ -10,7 +10,7 @@ import torch
 from nefl_zoo.fl.clock import TierCosts, VirtualClock
 from nefl_zoo.fl.config import ConfigError
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.population import DevicesConfig
+from nefl_zoo.fl.population import DevicesConfig, Population
 from nefl_zoo.fl.strategy import ClientInfo
 from nefl_zoo.fl.time_to_accuracy import default_target, time_table, time_to_accuracy
 
@@ -35,6 +35,13 @@ def clock(classes, clients=3, seed=0, **section):
 def by_class(c: VirtualClock) -> dict[str, int]:
     """The client of each class (one client per class)."""
     return {c.devices.classes[k].name: int(cid) for cid, k in enumerate(c.population.kind)}
+
+
+def test_classes_get_their_shares_of_the_clients_by_largest_remainder():
+    # 7 clients: 3.15, 2.45 and 1.4 -> 3, 2, 1 and the one left to the largest remainder (0.45)
+    devices = DevicesConfig.model_validate({"classes": [device("a", 0.45, 1e9), device("b", 0.35, 1e9), device("c", 0.2, 1e9)],
+                                            "deadline_s": 2.0})
+    assert np.bincount(Population(devices, 7, 0).kind).tolist() == [3, 3, 1]
 
 
 def test_a_slower_or_smaller_device_gets_a_smaller_tier():
@@ -174,3 +181,26 @@ def test_time_to_accuracy_with_exact_numbers():
     assert data["a"]["time_to_target_s"] == [30.0, 36.0] and data["a"]["mean_time_to_target_s"] == 33.0
     assert data["b"]["time_to_target_s"] == [15.0, None] and data["b"]["mean_time_to_target_s"] == 15.0
     assert markdown.splitlines()[2:] == ["| A | 33 | 2/2 | 85.00 | 33 | 3 | ", "| B | 15 | 1/2 | 73.00 | 15 | 0 | "]
+    markdown, data = time_table({"a": "A", "b": "B"}, curves, 73.0, {"a": {"dropped": 3}})  # b without totals
+    assert data["a"]["target"] == 73.0 and "dropped" not in data["b"]
+    assert markdown.splitlines()[2:] == ["| A | 33 | 2/2 | 85.00 | 33 | 3 | ", "| B | 15 | 1/2 | 73.00 | 15 | – | "]
+
+
+def test_compare_reports_the_time_to_a_target_accuracy_on_the_simulated_clock(tmp_path):
+    """`compare` on a config with `devices:`: per entry the simulated times of its evaluated rounds,
+    the time to the target, the dropped and lost updates summed from metrics.jsonl, and the figure."""
+    from nefl_zoo.fl.compare import Entry, compare_methods
+
+    config = timed().model_copy(update={"rounds": 1})
+    entries = [Entry("nefl", "nefl"), Entry("fedavg-wait", "fedavg", name="FedAvg (waits)", overrides={"devices.policy": "wait_all"})]
+    result = compare_methods(config, entries, 1, tmp_path, plot=True, target=0.0)
+    report = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert list(report["entries"]) == ["nefl", "fedavg-wait"] and report["entries"]["fedavg-wait"]["label"] == "FedAvg (waits)"
+    for key, entry in report["entries"].items():
+        logged = records(tmp_path / key / "seed0")
+        evaluated = [r for r in logged if "acc" in r]
+        assert entry["target"] == 0.0 and entry["time_to_target_s"] == [evaluated[0]["sim_time_s"]]  # any accuracy reaches 0%
+        assert entry["final_time_s"] == evaluated[-1]["sim_time_s"] > 0
+        assert entry["dropped"] == sum(r["dropped"] for r in logged) and entry["lost"] == sum(r["lost"] for r in logged)
+    assert "Time to 0.00% worst-case accuracy" in result.markdown and "| FedAvg (waits) |" in result.markdown
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000

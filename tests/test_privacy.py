@@ -60,8 +60,28 @@ def test_clients_are_clipped_before_the_noise():
     config = AggregationConfig(clip=1.0, dp=PrivacyConfig(noise_multiplier=1e-9))
     state, rejected, metrics = aggregate_updates(glob, [big], config, assigned=[prefix(2)] * 2, seed=0, server_round=1, rate=0.5)
     assert torch.allclose(state["w"], torch.tensor([0.3, 0.4])) and metrics["clipped"] == 1 and not rejected  # (0.6, 0.8) / 2
-    with pytest.raises(ValueError, match="assigned clients"):
-        aggregate_updates(glob, [big], config)
+    message = r"^aggregation\.dp: needs the round's assigned clients \(the denominators\) and the sampling rate$"
+    with pytest.raises(ValueError, match=message):
+        aggregate_updates(glob, [big], config, rate=0.5)
+    with pytest.raises(ValueError, match=message):
+        aggregate_updates(glob, [big], config, assigned=[prefix(2)] * 2)
+
+
+def test_the_noise_of_an_aggregation_is_seeded_by_run_seed_and_round():
+    glob = {"w": torch.zeros(3)}
+    update = Update(prefix(3), {"w": torch.tensor([0.1, 0.2, 0.3])}, 1.0, 0)
+    config = AggregationConfig(clip=1.0, dp=PrivacyConfig(noise_multiplier=1.0))
+
+    def noisy(seed, server_round):
+        torch.manual_seed(123)  # the global RNG must not matter
+        return aggregate_updates(glob, [update], config, assigned=[prefix(3)], seed=seed, server_round=server_round, rate=0.5)[0]["w"]
+
+    first = noisy(0, 1)
+    torch.manual_seed(7)
+    assert torch.equal(first, noisy(0, 1))
+    assert not torch.equal(first, noisy(0, 2)) and not torch.equal(first, noisy(1, 1))
+    expected = torch.tensor([0.1, 0.2, 0.3]) + torch.randn(3, generator=noise_generator(0, 1))  # z C / D = 1
+    assert torch.allclose(first, expected, atol=1e-6)
 
 
 def direct_epsilon(rate, z, rounds, delta):
