@@ -1,16 +1,17 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   - the main job on embedded defaults (bundled data, in-process engine)
 #   make test   - the test suite
+# make docs builds the documentation site into site/ (strict), make docs-serve serves it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean mutation
+.PHONY: demo test bench clean mutation docs docs-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[dev,flower]'
+	$(BIN)/pip install --quiet -e '.[dev,flower,docs]'
 	touch $(STAMP)
 
 # The JavaScript side (web/: onnxruntime-node and onnxruntime-web from the lockfile; the
@@ -38,6 +39,15 @@ demo: $(STAMP)
 test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or reference fails.
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+
+docs: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(DOCS_ENV) $(BIN)/mkdocs serve
+
 # Mutation testing of the core (TESTING.md): each module of [tool.nefl-zoo.mutation] in
 # pyproject.toml against its own test files, one worker; slow, not part of `make test`.
 # `make mutation MODULES=nefl_zoo.fl.aggregate` runs one module; SAMPLE=120 scores 120 of its mutants (seed 0);
@@ -51,4 +61,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export.py
 
 clean:
-	rm -rf $(VENV) runs exports/*/
+	rm -rf $(VENV) runs exports/*/ site

@@ -15,6 +15,9 @@
 
 Run: ``python benchmarks/bench_accel.py [--device cpu|cuda] [--parallel 4] [--repeats 3]``;
 prints markdown. ``--device cuda`` runs both parts on the GPU (the global state stays on the CPU).
+
+Results: every table printed goes to ``benchmarks/results/accel.json`` and the figure drawn from it
+to ``docs/benchmarks/img/accel.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -185,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("accel", main)

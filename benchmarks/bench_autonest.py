@@ -8,7 +8,9 @@ blocks zeroed, max |diff| relative to the logits' scale) and *ONNX parity* (its 
 ``nefl-zoo export`` writes it, gives its logits under onnxruntime). A model's class: ``exact``,
 ``inexact by construction`` (a norm's statistics span narrowed channels: GroupNorm, a CNN's
 LayerNorm), or ``refused`` with the construct named. Results go to a JSON lines file (one model
-per line; rerunning skips models already there); ``--table`` prints the markdown tables.
+per line; rerunning skips models already there); ``--table`` prints the markdown tables. Either
+way the tables of every model in the file go to ``benchmarks/results/autonest.json`` and its
+figure to ``docs/benchmarks/img/autonest.png`` (``--plot-only`` redraws the figure alone).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_autonest.py --out benchmarks/autonest.jsonl
     python benchmarks/bench_autonest.py --out benchmarks/autonest.jsonl --table
@@ -29,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import publish
 
 MAX_PARAMS = 100e6
 EXACT = 1e-4  # relative difference below which a tier counts as the zeroed global model
@@ -200,6 +204,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def publish_tables(rows: list[dict], source: Path, measured: bool) -> None:
+    """The tables of ``rows`` (every model of ``source``) as the run of ``results/autonest.json``:
+    with the machine and load of this run when it ``measured`` models, else with the commit that
+    last changed ``source`` (its lines do not record the machine)."""
+    if measured:
+        info = publish.provenance()
+        info["load_after"] = info.pop("load_before")  # taken at the end of the run
+    else:
+        commit = publish._git("log", "-1", "--format=%h %ad", "--date=short", "--", str(source))
+        info = {"source": f"tabulated from {source} (one line per model, as measured)", "commit": commit.split(" ")[0],
+                "date": commit.split(" ")[-1], "machine": "not recorded in the file", "load": "not recorded in the file"}
+    run = {"command": "OMP_NUM_THREADS=1 python benchmarks/bench_autonest.py --out benchmarks/autonest.jsonl",
+           "provenance": info, "tables": publish.parse_tables(table(rows))}
+    data = publish.record("autonest", run)
+    print(f"wrote {publish.results_path('autonest').relative_to(publish.ROOT)} and "
+          f"{publish.figure('autonest', data).relative_to(publish.ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/autonest.jsonl"))
@@ -211,6 +233,7 @@ def main() -> None:
     done = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     if args.table:
         print(table(done))
+        publish_tables(done, args.out, measured=False)
         return
     torch.set_num_threads(1)
     entries = model_list(args.models)
@@ -227,7 +250,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        done.append(row)
+    publish_tables(done, args.out, measured=True)
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("autonest", main, capture=False)

@@ -1,10 +1,13 @@
 """Batched clients against sequential ones and against a second thread, on the shipped config
-("Batched clients and summation order" in benchmarks/README.md): one round of
+(docs/benchmarks/batched_order.md): one round of
 specs/train/digits-quick.yaml at lr 0.05 from the same seeded initial state; per tensor, the
 difference as a share of the round's own update (median and worst), and the worst difference
 relative to the tensor itself (max |a - b| / max |b|, what the 1e-5 promise bounds).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_batched_order.py [--set train.last_batch=merge --set train.min_batch=16]
+
+Each run (one per set of overrides) becomes a run of ``benchmarks/results/batched_order.json``;
+the figure is drawn from it (:mod:`publish`; ``--plot-only`` redraws it alone).
 """
 
 import argparse
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import publish
 
 from nefl_zoo.fl.config import load_config
 from nefl_zoo.fl.engine import Engine
@@ -37,10 +42,15 @@ def main() -> None:
     parser.add_argument("--methods", default="fedavg,nefl")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp())
-    print(f"overrides: {' '.join(args.extra) or 'none'}")
+    rule = " ".join(args.extra) or "default"
+    compared = {"sequential, 2 threads": (2, 1), "batched, 1 thread": (1, 2)}  # (threads, parallel_clients)
+    print(f"overrides: {rule}; per tensor against sequential training at 1 thread: the median and worst difference as a share "
+          "of the round's update, then the worst difference relative to the tensor\n")
+    print("| last-batch rule | method | " + " | ".join(compared) + " |\n|---|---|---|---|")
     for method in args.methods.split(","):
         init, base = one_round(1, 1, method, out, args.extra)
-        for label, (threads, parallel) in {"sequential, 2 threads": (2, 1), "batched (parallel_clients 2), 1 thread": (1, 2)}.items():
+        cells = []
+        for threads, parallel in compared.values():
             _, other = one_round(threads, parallel, method, out, args.extra)
             shares, relative = [], 0.0
             for k, b in base.items():
@@ -51,10 +61,9 @@ def main() -> None:
                 update = float((b - init[k]).abs().max())
                 if update > 0:
                     shares.append(difference / update)
-            print(f"{method}: {label} vs sequential 1 thread: median {100 * np.median(shares):.1f}%, worst "
-                  f"{100 * max(shares):.1f}% of the round's update per tensor ({len(shares)} tensors); "
-                  f"worst relative to the tensor {relative:.1e}", flush=True)
+            cells.append(f"median {100 * np.median(shares):.1f}%, worst {100 * max(shares):.1f}%; {relative:.1e}")
+        print(f"| {rule} | {method} ({len(shares)} tensors) | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("batched_order", main)

@@ -7,6 +7,9 @@ fvcore traces every model; "warm": a cache filled by the warm-up run. Targets: b
 and profile <= 2.5x with the cache warm.
 
     .venv/bin/python benchmarks/bench_cli.py [--pairs 7]
+
+Results: every table printed goes to ``benchmarks/results/cli.json`` and the figure drawn from it
+to ``docs/benchmarks/img/cli.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 BIN = Path(sys.executable).parent
 BASELINE = [sys.executable, "-c", "import torch"]
@@ -65,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("cli", main)

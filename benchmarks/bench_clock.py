@@ -1,13 +1,14 @@
-"""Devices in time ("Time to accuracy on a simulated clock" in benchmarks/README.md).
+"""Devices in time (docs/benchmarks/clock.md).
 
 Part 1, the scenario: specs/train/mnist-devices.yaml (MNIST, 1,000 clients that are low-end
 phones, mid phones and laptops, a 10 s round deadline) under ``compare --preset
 time-to-accuracy``: NeFL, HeteroFL, FjORD (NeFL's), DepthFL (NeFL's) with each client on the
 largest tier it finishes in time, FedAvg waiting for every online client on the full model, and
 FedAvg on only the clients that fit the full model. ``--jobs`` runs at a time, one torch thread
-each; finished runs are reused. Writes the time-to-accuracy table (benchmarks/results/clock.md),
-its JSON (benchmarks/results/clock.json, with the cost measurement) and the figure
-(benchmarks/plots/clock_time_to_accuracy.png).
+each; finished runs are reused. Writes the time-to-accuracy table and every entry's curve
+(simulated time and worst-case accuracy of each evaluation) to benchmarks/results/clock.json,
+with the cost measurement, and the figure drawn from it to docs/benchmarks/img/clock.png
+(``--plot-only`` redraws the figure alone).
 
 Part 2, the clock's cost: the same population with 10,000 clients (6 images each, 1% a round),
 ``--cost-rounds`` rounds of NeFL in one process; the time spent in the clock (who is online and
@@ -22,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
+
+import publish
 
 from nefl_zoo.fl.compare import compare_methods, time_entries
 from nefl_zoo.fl.config import load_config
@@ -42,11 +44,22 @@ def scenario(root: Path, out: Path, rounds: int, seeds: int, jobs: int) -> dict:
     start = time.perf_counter()
     comparison = compare_methods(config, time_entries(config), seeds, out, jobs=jobs, threads=1, reuse=True)
     print(comparison.markdown)
-    (ROOT / "benchmarks/results").mkdir(exist_ok=True)
-    shutil.copyfile(out / "time_to_accuracy.png", ROOT / "benchmarks/plots/clock_time_to_accuracy.png")
-    (ROOT / "benchmarks/results/clock.md").write_text(comparison.markdown)
+    found = json.loads((out / "time_to_accuracy.json").read_text())
     return {"config": str(CONFIG.relative_to(ROOT)), "rounds": rounds, "seeds": seeds, "wall_s": round(time.perf_counter() - start, 1),
-            **json.loads((out / "time_to_accuracy.json").read_text())}
+            **found, "curves": curves(out, found["treatment"])}
+
+
+def curves(out: Path, treatment: str) -> dict:
+    """Per entry, seed 0's evaluations: simulated time (s) and worst-case accuracy (%) under ``treatment``,
+    read from the runs' ``metrics.jsonl`` (the worst-case tier as ``results.json`` names it)."""
+    worst = {key: runs[0]["worst_case"] for key, runs in json.loads((out / "results.json").read_text()).items()}
+    found = {}
+    for key, tier in worst.items():
+        records = [json.loads(line) for line in (out / key / "seed0" / "metrics.jsonl").read_text().splitlines()]
+        evaluated = [r for r in records if "acc" in r]
+        found[key] = {"sim_time_s": [r["sim_time_s"] for r in evaluated],
+                      "accuracy": [round(100 * r.get("extra", {}).get(f"{treatment}/{tier}", r["acc"][tier]), 2) for r in evaluated]}
+    return found
 
 
 def clock_cost(root: Path, out: Path, rounds: int, clients: int) -> dict:
@@ -106,8 +119,8 @@ def main() -> None:
     if "scenario" in args.parts:
         results["scenario"] = scenario(args.root.resolve(), args.out, args.rounds, args.seeds, args.jobs)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {results_path.relative_to(ROOT)}")
+    print(f"wrote {results_path.relative_to(ROOT)} and {publish.figure('clock').relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("clock", main, capture=False)

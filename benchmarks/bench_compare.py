@@ -1,4 +1,4 @@
-"""Convergent comparison on digits ("Convergent comparison" in benchmarks/README.md).
+"""Convergent comparison on digits (docs/benchmarks/compare.md).
 
 The NeFL paper's Table 1 rows and ablation (``compare --preset nefl-table1``: NeFL-W/D/WD with
 learnable and fixed steps, HeteroFL, FjORD and DepthFL as the NeFL paper defines them, FedAvg)
@@ -16,6 +16,9 @@ give bit-identical global states), so its row is that run, not trained twice.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_compare.py --out /tmp/table1 --seeds 3 --parts iid,noniid,matched
     python benchmarks/bench_compare.py --out /tmp/table1 --seeds 3 --parts iid --report-only
+
+Results: every table printed goes to ``benchmarks/results/compare.json`` and the figure drawn from it
+to ``docs/benchmarks/img/compare.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from nefl_zoo.fl.compare import (Entry, client_round_macs, compare_methods, curv
                                  results_table, treatments)
 from nefl_zoo.fl.config import load_config
 from nefl_zoo.fl.data import load_data
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "specs/train/digits-table1.yaml"
@@ -122,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("compare", main)

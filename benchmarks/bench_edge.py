@@ -10,6 +10,9 @@ batch 1 the latency increases with the MACs, and latency ratio / MACs ratio <= 1
 gamma >= 0.4.
 
     .venv/bin/python benchmarks/bench_edge.py [--specs mobilenet_v2/nefl-wd ...] [--batches 1 32] [--runs 20]
+
+Results: every table printed goes to ``benchmarks/results/edge.json`` and the figure drawn from it
+to ``docs/benchmarks/img/edge.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from bench_latency import _load, _monotone
 from nefl_zoo.export import export_tiers, load_source
 from nefl_zoo.runtime import TierRuntime
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 SPECS = tuple(f"{family}/nefl-wd" for family in (
     "mobilenet_v2", "mobilenet_v3_large", "mobilenet_v3_small", "efficientnet_b0", "shufflenet_v2_x1_0", "shufflenet_v2_x0_5"))
@@ -91,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("edge", main)

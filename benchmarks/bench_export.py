@@ -10,7 +10,13 @@ eager, at one batch size on the CPU, with the same number of threads (default 1:
 core). Latency ratios are against the spec's largest tier; the target is a latency ratio
 within 1.3x of the MACs ratio for gamma >= 0.4.
 
-    .venv/bin/python benchmarks/bench_export.py [--batch 64] [--runs 10] [--threads 1] [--pad-channels 8] [--readme benchmarks/README.md]
+    .venv/bin/python benchmarks/bench_export.py [--batch 64] [--runs 10] [--threads 1] [--pad-channels 8]
+
+The printed table goes to ``benchmarks/results/export.json`` and its figure to
+``docs/benchmarks/img/export.png`` (:mod:`publish`; ``--plot-only`` redraws the figure alone).
+
+Results: every table printed goes to ``benchmarks/results/export.json`` and the figure drawn from it
+to ``docs/benchmarks/img/export.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import tempfile
 from pathlib import Path
 
@@ -29,9 +34,10 @@ from nefl_zoo.export import export_tiers, load_source
 from nefl_zoo.runtime import TierRuntime
 from nefl_zoo.timing import median_ms
 
+import publish  # results JSON and figure (benchmarks/publish.py)
+
 SPECS = ("resnet110/nefl-wd", "resnet56/nefl-d")
 TARGET = 1.3
-SECTION = "## ONNX tiers"
 
 
 def bench_spec(spec: str, batch: int, runs: int, threads: int, align: int, workdir: Path) -> list[dict]:
@@ -101,16 +107,6 @@ def to_markdown(rows: list[dict], batch: int, runs: int, threads: int, align: in
     )
 
 
-def replace_section(readme: Path, body: str, command: str) -> None:
-    """Replace the body of ``## ONNX tiers`` in ``readme`` (up to the next ``## `` heading)."""
-    text = readme.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if not pattern.search(text):
-        raise SystemExit(f"{readme}: no '{SECTION}' section")
-    new = f"{SECTION}\n\n`{command}`\n\n{body}\n"
-    readme.write_text(pattern.sub(lambda _: new, text, count=1))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", nargs="+", default=list(SPECS), help="spec files or shipped spec names")
@@ -118,20 +114,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of onnxruntime and torch")
     parser.add_argument("--pad-channels", type=int, default=8, help="channel alignment of the padded exports")
-    parser.add_argument("--readme", type=Path, help="write the table into this README's ONNX section")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [row for spec in args.specs for row in bench_spec(spec, args.batch, args.runs, args.threads, args.pad_channels, Path(tmp))]
     body = to_markdown(rows, args.batch, args.runs, args.threads, args.pad_channels)
     print(body)
-    if args.readme:
-        command = (
-            f".venv/bin/python benchmarks/bench_export.py --batch {args.batch} --runs {args.runs} "
-            f"--threads {args.threads} --pad-channels {args.pad_channels} --readme benchmarks/README.md"
-        )
-        replace_section(args.readme, body, command)
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("export", main)

@@ -1,4 +1,4 @@
-"""The FedAvg paper's MNIST rounds-to-target, side by side ("FedAvg on MNIST" in benchmarks/README.md).
+"""The FedAvg paper's MNIST rounds-to-target, side by side (docs/benchmarks/fedavg_mnist.md).
 
 McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data"
 (AISTATS 2017): 100 clients of 600 MNIST images, C = 0.1 (10 clients a round), plain SGD at a
@@ -21,6 +21,9 @@ and ``2nn_glorot`` (raw pixels and TensorFlow's Glorot-uniform initialisation).
 
     python benchmarks/mnist_offline.py /tmp/mnist-data
     python benchmarks/bench_fedavg_mnist.py --root /tmp/mnist-data --out /tmp/fedavg-mnist --rows 2nn-e1-iid,2nn-e1-noniid,cnn-e1-iid
+
+Results: every table printed goes to ``benchmarks/results/fedavg_mnist.json`` and the figure drawn from it
+to ``docs/benchmarks/img/fedavg_mnist.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 
 class TwoNN(nn.Module):
@@ -254,4 +259,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("fedavg_mnist", main)

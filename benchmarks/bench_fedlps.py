@@ -11,7 +11,10 @@ pruned predictors of all tasks against one full model per task (fvcore).
 
 Run: ``python benchmarks/bench_fedlps.py [--config CONFIG] [--seeds 3] [--pretrain-epochs 30]
 [--out runs/bench-fedlps] [--set K=V ...]``; ``--config specs/train/folders-fedlps.yaml`` with
-overrides runs the paper's tasks from folders (benchmarks/README.md, "FedLPS's MNIST task").
+overrides runs the paper's tasks from folders (docs/benchmarks/fedlps.md, "FedLPS's MNIST task").
+
+Results: every table printed goes to ``benchmarks/results/fedlps.json`` and the figure drawn from it
+to ``docs/benchmarks/img/fedlps.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "specs" / "train" / "digits-fedlps.yaml"
@@ -108,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("fedlps", main)

@@ -10,6 +10,9 @@
    before training through /proc/self/clear_refs and read after it, minus the RSS before it.
 
 Run: ``python benchmarks/bench_fl.py [--rounds 5] [--threads 1]``; prints markdown.
+
+Results: every table printed goes to ``benchmarks/results/fl.json`` and the figure drawn from it
+to ``docs/benchmarks/img/fl.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESNET18 = ROOT / "specs" / "resnet18" / "nefl-wd.yaml"
@@ -181,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("fl", main)

@@ -19,6 +19,9 @@ on all of them alike; the table gives every pass, with the load average before a
 
 Run: ``python benchmarks/bench_flower.py [--rounds 8] [--passes 2] [--engines embedded-1,simulation-2]``;
 prints markdown.
+
+Results: every table printed goes to ``benchmarks/results/flower.json`` and the figure drawn from it
+to ``docs/benchmarks/img/flower.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "specs" / "train" / "digits-quick.yaml"
@@ -230,4 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("flower", main)

@@ -11,6 +11,9 @@ of machine load hits every tier alike. Ratios are against the spec's largest tie
 gamma >= 0.2, and latency increasing with the tier's MACs.
 
     .venv/bin/python benchmarks/bench_latency.py [--batches 1 64] [--reps 5] [--runs 3] [--specs ...]
+
+Results: every table printed goes to ``benchmarks/results/latency.json`` and the figure drawn from it
+to ``docs/benchmarks/img/latency.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from nefl_zoo.runtime import session_from_bytes
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import load_spec, resolve_spec_path
 from nefl_zoo.timing import interleaved_median_ms
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 SPECS = (
     "resnet56/nefl-wd", "resnet56/nefl-wd-aligned", "resnet110/nefl-wd", "resnet110/nefl-wd-aligned",
@@ -136,4 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("latency", main)

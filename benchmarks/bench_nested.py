@@ -46,7 +46,7 @@ Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single
    and the CPU that this process, its load processes and everything else (other jobs,
    hypervisor steal) took.
 
-Everything runs with one onnxruntime thread (2 shared cores; see the README section). The
+Everything runs with one onnxruntime thread (2 shared cores; see docs/benchmarks/nested.md). The
 results go to ``--json`` (default ``benchmarks/results/nested.json``) as well as stdout
 (markdown tables; ``--out`` writes them to a file too).
 
@@ -73,6 +73,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+import publish
 from bench_quant import machine  # lscpu's model name, CPUs and SIMD flags: one description for both benchmarks
 from nefl_zoo.manifest import Manifest
 from nefl_zoo.runtime import Deadline, TierRuntime
@@ -993,7 +994,7 @@ def main() -> None:
             sections.append(section)
             verdicts += v
             record["parts"][part] = {"result": result, "verdicts": v, "seconds": time.time() - part_start,
-                                     "load": f"{part_load} -> {loadavg()}"}
+                                     "load": f"{part_load} -> {loadavg()}", "tables": publish.parse_tables(text)}
     header = (f"`.venv/bin/python {command.strip()}`; CPU: {machine()}; onnxruntime {ort.__version__}, "
               f"CPUExecutionProvider, 1 thread. Load average (`uptime`) before {load_before}, after {loadavg()}; "
               f"wall time {time.time() - start:.0f} s.\n")
@@ -1003,11 +1004,18 @@ def main() -> None:
     record.update(load_after=loadavg(), seconds=time.time() - start, verdicts=verdicts)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        if args.json.exists():  # the parts not run now stay as they were (part 3: transcribed runs)
+            old = json.loads(args.json.read_text())
+            record["parts"] = {**old.get("parts", {}), **record["parts"]}
+            if "adaptive" not in parts and old.get("runs"):
+                record["runs"] = old["runs"]
         args.json.write_text(json.dumps(record, indent=1, default=_jsonable) + "\n")
         print(f"results: {args.json}")
+        if args.json == RESULTS and {"bytes", "tiers"} <= set(record["parts"]):
+            print(f"figure: {publish.figure('nested')}")
     if args.out:
         args.out.write_text(header + "\n" + "\n".join(sections) + "\n" + summary)
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("nested", main, capture=False)

@@ -1,5 +1,5 @@
 """Nested FL on real images: the FedAvg paper's 2NN and CNN nested automatically, on MNIST
-("Nested methods on MNIST" in benchmarks/README.md).
+(docs/benchmarks/nested_mnist.md).
 
 The two plain ``nn.Module``s of bench_fedavg_mnist.py, brought in with ``nz.nest`` and given five
 width tiers (gamma_W 0.2, 0.4, 0.6, 0.8, 1: every hidden layer keeps its first
@@ -19,6 +19,9 @@ model, so the BN treatments coincide; the table shows ``running``.
 
 A model's runs are registered in the process that trains them (``nz.nest``), so each part runs
 in its own process (``compare --jobs`` spawns fresh ones): start the two parts side by side.
+
+Results: every table printed goes to ``benchmarks/results/nested_mnist.json`` and the figure drawn from it
+to ``docs/benchmarks/img/nested_mnist.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from bench_compare import flatness_table
 from bench_fedavg_mnist import MODELS, nest_models
 from nefl_zoo.fl.compare import Entry, compare_methods, load_runs, report
 from nefl_zoo.fl.config import parse_config
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 TIERS = [{"name": f"g{g:g}", "gamma": g, "gamma_w": g} for g in (0.2, 0.4, 0.6, 0.8, 1.0)]
 ENTRIES = [Entry("nefl-w", "nefl", name="NeFL-W"), Entry("heterofl", "heterofl", name="HeteroFL"),
@@ -82,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("nested_mnist", main)

@@ -16,6 +16,9 @@ at 3x32x32 (the config below). ``--train`` trains whichever run directory is mis
 thread.
 
     .venv/bin/python benchmarks/bench_quant.py --demo runs/demo --resnet56 runs/r56-digits [--train] [--runs 20]
+
+Results: every table printed goes to ``benchmarks/results/quant.json`` and the figure drawn from it
+to ``docs/benchmarks/img/quant.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import onnxruntime as ort
 from nefl_zoo.export import CALIBRATION_IMAGES, export_tiers, load_source
 from nefl_zoo.manifest import Manifest
 from nefl_zoo.runtime import NoTierFits, TierRuntime
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "specs" / "train" / "digits-aligned-quick.yaml"
@@ -174,4 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("quant", main)

@@ -1,5 +1,5 @@
 """Robust aggregation and client-level DP on nested updates, on MNIST (issue 52; "Robust
-aggregation and differential privacy" in benchmarks/README.md).
+aggregation and differential privacy", docs/benchmarks/robust.md).
 
 The FedAvg paper's 2NN nested automatically (``nz.nest``, five width tiers gamma_W 0.2 .. 1),
 NeFL with 100 clients, 10 a round, the NeFL paper's dynamic environment (five client groups),
@@ -18,7 +18,8 @@ the first 2,000 test images after the last round.
     python benchmarks/mnist_offline.py /tmp/mnist-data
     OMP_NUM_THREADS=1 python benchmarks/bench_robust.py --root /tmp/mnist-data
 
-Writes ``benchmarks/results/robust.json`` and ``robust.png`` and prints the tables.
+Writes ``benchmarks/results/robust.json`` and the figure drawn from it
+(``docs/benchmarks/img/robust.png``; ``--plot-only`` redraws it alone) and prints the tables.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+import publish
 from bench_fedavg_mnist import TwoNN
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,35 +98,6 @@ def run(cfg, out: Path, attack: str | None = None, share: float = 0.0) -> dict:
             "clipped": sum(r.get("clipped", 0) for r in rows)}
 
 
-def plot(results: dict, path: Path) -> None:
-    """Accuracy against the attackers' share per attack and rule; accuracy against epsilon."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(ATTACKS) + 1, figsize=(4.2 * (len(ATTACKS) + 1), 3.6))
-    for ax, attack in zip(axes, ATTACKS):
-        for rule, by in results["attacks"].items():
-            shares = [0.0, *SHARES]
-            acc = [by["clean"]["curve"][-1]["full"], *(by[attack][f"{s:g}"]["curve"][-1]["full"] for s in SHARES)]
-            ax.plot([100 * s for s in shares], [100 * a for a in acc], marker="o", label=rule)
-        ax.set(title=attack, xlabel="attacking clients (%)", ylabel="full-model accuracy (%)", ylim=(0, 100))
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    ax = axes[-1]
-    for z, res in results["dp"].items():
-        curve = res["curve"]
-        ax.plot([c["epsilon"] for c in curve], [100 * c["full"] for c in curve], marker="o", label=f"z = {z}")
-    ax.axhline(100 * results["attacks"]["mean"]["clean"]["curve"][-1]["full"], color="k", ls="--", label="non-private")
-    ax.set(title="DP-FedAvg (clip %g)" % results["setting"]["clip"], xlabel="epsilon (delta 1e-5)", ylabel="full-model accuracy (%)",
-           xscale="log", ylim=(0, 100))
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def table(results: dict) -> str:
     """The markdown tables of ``results``."""
     rules_ = list(results["attacks"])
@@ -172,11 +145,11 @@ def main() -> None:
     results["load_average"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "robust.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "robust.png")
+    publish.figure("robust", results)
     print(table(results))
     print(f"\nfull / smallest submodel accuracy (%) after {args.rounds} rounds; wall {results['wall_s'] / 60:.1f} min on "
           f"{os.cpu_count()} cores, load average {' '.join(f'{x:.2f}' for x in results['load_average'])}")
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("robust", main, capture=False)

@@ -14,7 +14,8 @@ keys, encrypted key shares, masked vectors, unmasking shares), and of them the m
 (the records' ``bytes_up``).
 
 Run: ``python benchmarks/bench_secagg.py [--clients 10] [--rounds 3]``; prints markdown and
-writes ``benchmarks/results/secagg.json``.
+writes ``benchmarks/results/secagg.json`` and the figure drawn from it
+(``docs/benchmarks/img/secagg.png``; ``--plot-only`` redraws it alone).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import publish  # noqa: E402
 from nefl_zoo.fl.config import parse_config  # noqa: E402
 from nefl_zoo.fl.flower import SimulatedRun, simulate_runs  # noqa: E402
 
@@ -97,6 +99,7 @@ def main() -> None:
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     (results / "secagg.json").write_text(json.dumps(result, indent=2) + "\n")
+    publish.figure("secagg", result)
     mb = 1e6
     print(f"NeFL, ResNet20 8x8, {args.clients} clients per round, {args.rounds} rounds, Flower simulation (2 actors); "
           f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
@@ -110,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("secagg", main, capture=False)

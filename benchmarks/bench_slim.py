@@ -6,6 +6,9 @@ ones multiplied by a step of 0), both against the full model. Latencies are medi
 interleaved repetitions (batch 64). Also times ``build`` itself, after ``import torch``.
 
     python benchmarks/bench_slim.py [--batch 64] [--reps 5] [--threads 1]
+
+Results: every table printed goes to ``benchmarks/results/slim.json`` and the figure drawn from it
+to ``docs/benchmarks/img/slim.png`` (``--plot-only`` redraws the figure alone; see ``publish.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import SubmodelSpec, load_spec, shipped_specs_dir
 from nefl_zoo.timing import median_ms
+
+import publish  # results JSON and figure (benchmarks/publish.py)
 
 SPECS = ["resnet110/nefl-w", "resnet110/nefl-d", "resnet110/nefl-wd", "resnet56/nefl-d", "resnet56/nefl-wd"]
 
@@ -111,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    publish.run("slim", main)

@@ -118,14 +118,14 @@ def test_models_specs_and_schema():
 
 
 def test_readme_build_example_prints_exactly_what_the_readme_shows():
-    """The Quick start's ``$ nefl-zoo build resnet110 --gamma 0.2`` line and its output line,
-    read from README.md so that the two cannot drift apart."""
+    """README's "Build a tier" ``$ nefl-zoo build resnet110 --gamma 0.2`` line and its output
+    line, read from README.md so that the two cannot drift apart."""
     import shlex
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
     command = "$ nefl-zoo build resnet110 --gamma 0.2"
-    assert readme.count(command) == 1, f"README.md: the Quick start shows `{command}` once"
+    assert readme.count(command) == 1, f"README.md: 'Build a tier' shows `{command}` once"
     shown = readme[readme.index(command) + 1]
     assert shown.startswith("resnet110 tier g0.2: ")
     result = invoke(*shlex.split(command)[2:])

@@ -164,10 +164,11 @@ def test_bad_populations_are_refused_in_one_line_naming_the_field(devices, field
 
 def test_a_trace_naming_an_unknown_client_is_refused(tmp_path):
     trace = tmp_path / "trace.csv"
-    trace.write_text("client,start_s,end_s\n1,0,10\n7,0,10\n")
-    with pytest.raises(ConfigError) as info:
-        tiny(devices=DEVICES | {"trace": str(trace)})
-    assert str(info.value) == f"<config>: devices.trace: {trace}: line 3: client 7 is not one of the 4 clients (0..3)"
+    for client in (4, 7):  # the first past the last, and beyond
+        trace.write_text(f"client,start_s,end_s\n1,0,10\n{client},0,10\n")
+        with pytest.raises(ConfigError) as info:
+            tiny(devices=DEVICES | {"trace": str(trace)})
+        assert str(info.value) == f"<config>: devices.trace: {trace}: line 3: client {client} is not one of the 4 clients (0..3)"
 
 
 def test_time_to_accuracy_with_exact_numbers():

@@ -148,7 +148,7 @@ def test_fvcore_counts_one_block_with_depthwise_conv_squeeze_excitation_and_hard
 def test_nefl_trains_a_shufflenet_on_digits(tmp_path):
     """Two NeFL rounds on digits, one client training the narrowest tier of the smallest ShuffleNet
     (non-prefix slices, extracted from and written back to the global state): its training loss
-    goes down and both tiers evaluate (the 10-round runs of every family are in benchmarks/README.md)."""
+    goes down and both tiers evaluate (the 10-round runs of every family are in docs/benchmarks/edge.md)."""
     from nefl_zoo.fl import parse_config, train
 
     torch.set_num_threads(1)

@@ -1,7 +1,8 @@
 """The method contract, checked for every registered method (as tests/test_model_contract.py is
 for every model): two rounds on digits, a bit-identical resume (global, client and server state
 and the metrics records), settings that survive the saved configuration, what the engine reads
-(``info``), the method in ``nefl-zoo methods``, and README tables that list every method.
+(``info``), the method in ``nefl-zoo methods``, and the documentation's tables that list every
+method.
 A new method file is covered here without an edit."""
 
 import math
@@ -22,7 +23,7 @@ from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, crash_in_round
 
 torch.set_num_threads(1)
 METHODS = list(registered_methods())
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -82,21 +83,23 @@ def test_every_method_is_listed_by_the_cli():
     assert set(METHODS) <= listed, set(METHODS) - listed
 
 
-def _readme_methods(header: str) -> list[str]:
-    """The method names in the first column of the README table whose header row is ``header``."""
-    text = README.read_text()
+def _documented_methods(page: Path, header: str) -> list[str]:
+    """The method names in the first column of the table of ``page`` whose header row is ``header``."""
+    text = page.read_text()
     table = re.search(re.escape(header) + r"\n(\|.*\|\n)+", text)
-    assert table, f"README.md has no table {header!r}"
+    assert table, f"{page}: no table {header!r}"
     names = []
     for row in table.group(0).strip().splitlines()[2:]:
         names += re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])
     return names
 
 
-def test_the_readme_method_tables_list_every_registered_method():
-    assert sorted(_readme_methods("| method | what a client trains | BN at evaluation | departs from its paper |")) == sorted(METHODS)
+def test_the_documented_method_tables_list_every_registered_method():
+    explained = _documented_methods(DOCS / "explanations/nefl-and-baselines.md",
+                                    "| method | what a client trains | BN at evaluation | departs from its paper |")
+    assert sorted(explained) == sorted(METHODS)
     with_args = {m for m in METHODS if registered_methods()[m].Settings.model_fields}
-    assert sorted(_readme_methods("| method | `method_args` |")) == sorted(with_args)
+    assert sorted(_documented_methods(DOCS / "reference/run-config.md", "| method | `method_args` |")) == sorted(with_args)
 
 
 def test_the_registry_lists_the_built_in_methods_in_sorted_module_order():

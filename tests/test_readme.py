@@ -1,10 +1,11 @@
-"""The README's code works as written: every ```python, ```console and ```bash snippet of
-README.md and examples/*/README.md runs here, one test per snippet (id ``FILE:LINE``, the
-line of its opening fence), so the documentation and the code cannot drift apart.
+"""The documentation's code works as written: every ```python, ```console and ```bash snippet
+of README.md, examples/*/README.md and every page of the site (docs/**/*.md) runs here, one
+test per snippet or chain of snippets (``continue``, below; id ``FILE:LINE``, the line of its
+opening fence), so the documentation and the code cannot drift apart.
 
-* ``python``: executed in a fresh namespace, in a temporary working directory holding copies
-  of ``specs/`` and ``examples/`` and an empty ``exports/`` (what a fresh clone has); models
-  the snippet registers are unregistered afterwards.
+* ``python``: executed in a fresh namespace (one per chain), in a temporary working directory
+  holding copies of ``specs/`` and ``examples/`` and an empty ``exports/`` (what a fresh clone
+  has); models the snippet registers are unregistered afterwards.
 * ``console``: each line starting with ``$ `` is a command; the lines after it, up to the next
   command, are its output as shown: every shown line must appear in the real output, in order,
   exactly (``...`` in a shown line stands for any text). ``bash``: every line is a command
@@ -20,6 +21,12 @@ rendered), one per line:
 * ``<!-- snippet: files NAME ... -->``: before the snippet runs, a stand-in for each NAME is
   written into its working directory (the ``FILES`` table below, e.g. a random-weight
   torchvision ResNet18 state dict for ``resnet18-imagenet.pth``).
+* ``<!-- snippet: continue -->``: the snippet goes on from the one before it on the same page
+  (a tutorial's next step): it runs after it, in the same test (id: the first snippet's), in
+  the same working directory and, for ``python``, the same namespace. A skip marker on any
+  snippet of such a chain skips the whole chain.
+
+Snippets that train use tiny settings (``--set rounds=1 ...``): each test takes seconds.
 
 An unknown marker fails its snippet's test. New snippets are picked up as they are written.
 """
@@ -42,7 +49,7 @@ from typer.testing import CliRunner
 
 torch.set_num_threads(1)  # as the other test files: two threads on two shared cores only spin
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = [ROOT / "README.md", *sorted(ROOT.glob("examples/*/README.md"))]
+DOCUMENTS = [ROOT / "README.md", *sorted(ROOT.glob("examples/*/README.md")), *sorted(ROOT.glob("docs/**/*.md"))]
 LANGUAGES = {"python": "python", "console": "console", "bash": "bash", "sh": "bash", "shell": "bash"}
 COPIED = ("specs", "examples")  # copied into each snippet's working directory; exports/ is made empty
 MARKER = re.compile(r"^<!--\s*snippet:\s*(?P<kind>\w+)\s*(?P<args>.*?)\s*-->$")
@@ -107,7 +114,22 @@ def _markers(lines: list[str], fence: int) -> tuple[tuple[str, str], ...]:
     return tuple(reversed(found))
 
 
+def chains(snippets: list[Snippet]) -> list[list[Snippet]]:
+    """``snippets`` grouped into the tests that run them: a ``continue`` snippet joins the chain
+    of the snippet before it on its page (a ``continue`` with nothing before it starts a chain,
+    and its test fails)."""
+    grouped: list[list[Snippet]] = []
+    for snippet in snippets:
+        joins = ("continue", "") in snippet.markers and grouped and grouped[-1][0].document == snippet.document
+        if joins:
+            grouped[-1].append(snippet)
+        else:
+            grouped.append([snippet])
+    return grouped
+
+
 SNIPPETS = [snippet for document in DOCUMENTS for snippet in collect(document)]
+CHAINS = chains(SNIPPETS)
 
 
 def test_the_readme_has_snippets_of_each_kind():
@@ -126,6 +148,22 @@ def test_markers_commands_and_shown_output_are_told_apart(tmp_path):
         (["nefl-zoo", "a", "--b"], ["out 1"]), (["nefl-zoo", "c"], [])]
 
 
+def test_continue_joins_the_snippet_before_it_on_the_same_page(tmp_path):
+    first, second = tmp_path / "A.md", tmp_path / "B.md"
+    first.write_text("```python\na = 1\n```\n<!-- snippet: continue -->\n```bash\nls\n```\n```python\nb = 2\n```\n")
+    second.write_text("<!-- snippet: continue -->\n```python\nc = 3\n```\n")
+    grouped = chains(collect(first) + collect(second))
+    assert [[(s.document.name, s.line) for s in chain] for chain in grouped] == [
+        [("A.md", 1), ("A.md", 5)], [("A.md", 8)], [("B.md", 2)]]
+
+
+def test_every_page_of_the_site_is_collected():
+    """docs/**/*.md is read (an empty or missing docs/ would pass every snippet test)."""
+    pages = {d.relative_to(ROOT).as_posix() for d in DOCUMENTS}
+    assert {"docs/index.md", "docs/explanations/slice-map.md"} <= pages
+    assert any(s.document.is_relative_to(ROOT / "docs") and not any(k == "skip" for k, _ in s.markers) for s in SNIPPETS)
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch) -> Path:
     """A working directory like a fresh clone's root: copies of :data:`COPIED`, empty exports/."""
@@ -136,30 +174,36 @@ def workdir(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
-def test_snippet(snippet: Snippet, workdir: Path):
-    for kind, args in snippet.markers:
-        if kind == "skip":
-            reason = args[1:-1] if args.startswith("(") and args.endswith(")") else args
-            pytest.skip(f"{snippet.id}: {reason or 'marked skip'}")
-        elif kind == "files":
-            for name in args.split():
+@pytest.mark.parametrize("chain", CHAINS, ids=[chain[0].id for chain in CHAINS])
+def test_snippet(chain: list[Snippet], workdir: Path):
+    for snippet in chain:
+        for kind, args in snippet.markers:
+            if kind == "skip":
+                reason = args[1:-1] if args.startswith("(") and args.endswith(")") else args
+                pytest.skip(f"{snippet.id}: {reason or 'marked skip'}")
+            elif kind == "continue" and not args:
+                assert snippet is not chain[0], f"{snippet.id}: 'snippet: continue' with no snippet before it on its page"
+            elif kind != "files":
+                pytest.fail(f"{snippet.id}: unknown marker 'snippet: {kind} {args}' (expected skip, files or continue)")
+    namespace = {"__name__": "__readme__"}
+    for snippet in chain:
+        for kind, args in snippet.markers:
+            for name in args.split() if kind == "files" else ():
                 assert name in FILES, f"{snippet.id}: no stand-in for {name!r}; add one to FILES in {Path(__file__).name}"
                 FILES[name](workdir / name)
+        if snippet.language == "python":
+            run_python(snippet, namespace)
         else:
-            pytest.fail(f"{snippet.id}: unknown marker 'snippet: {kind}' (expected skip or files)")
-    if snippet.language == "python":
-        run_python(snippet)
-    else:
-        for command, shown in commands(snippet):
-            check_output(snippet, command, run_command(snippet, command, workdir), shown)
+            for command, shown in commands(snippet):
+                check_output(snippet, command, run_command(snippet, command, workdir), shown)
 
 
-def run_python(snippet: Snippet) -> None:
-    """Execute ``snippet`` in a fresh namespace (tracebacks give README line numbers); models
-    it registers are unregistered after the test (conftest's ``_model_registry``)."""
+def run_python(snippet: Snippet, namespace: dict) -> None:
+    """Execute ``snippet`` in ``namespace`` (its chain's; tracebacks give the page's line
+    numbers); models it registers are unregistered after the test (conftest's
+    ``_model_registry``)."""
     code = compile("\n" * snippet.line + snippet.code, str(snippet.document), "exec")
-    exec(code, {"__name__": "__readme__"})
+    exec(code, namespace)
 
 
 def commands(snippet: Snippet) -> list[tuple[str, list[str]]]:
@@ -203,7 +247,7 @@ def check_output(snippet: Snippet, command: str, output: str, shown: list[str]) 
     for line in shown:
         pattern = re.compile(".*".join(re.escape(part) for part in line.strip().split("...")))
         assert any(pattern.fullmatch(candidate.strip()) for candidate in actual), (
-            f"{snippet.id}: `{command}` did not print the line the README shows:\n  {line}\nit printed:\n{output}"
+            f"{snippet.id}: `{command}` did not print the line the page shows:\n  {line}\nit printed:\n{output}"
         )
 
 

@@ -74,9 +74,11 @@ def test_a_bound_never_reached_and_the_default_are_plain_nefedavg_bit_for_bit():
         assert all(torch.equal(state[k], plain[k]) for k in plain)
 
 
-def test_invalid_updates_are_rejected_before_any_rule():
+def test_invalid_updates_are_rejected_before_any_rule(caplog):
     bad = nested([float("nan"), 1.0], "bad")
-    state, rejected, _ = aggregate_updates(GLOBAL, [*CLIENTS, bad], AggregationConfig(rule="median", clip=1e3))
+    with caplog.at_level("WARNING", logger="nefl_zoo.fl.aggregation"):
+        state, rejected, _ = aggregate_updates(GLOBAL, [*CLIENTS, bad], AggregationConfig(rule="median", clip=1e3))
+    assert [r.getMessage() for r in caplog.records] == ["client bad: update rejected: w: contains NaN or Inf"]
     assert rejected == [("bad", "w: contains NaN or Inf")] and torch.equal(state["w"], coordinate_rule(GLOBAL, CLIENTS, "median")["w"])
 
 

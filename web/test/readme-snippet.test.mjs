@@ -1,4 +1,5 @@
-// The README's example (examples/choose-tier.mjs) runs against a nested export: short, and each
+// The documentation's example (examples/choose-tier.mjs, shown in docs/tutorials/deploy-tiers.md)
+// runs against a nested export: short, and each
 // request served by one of the export's fp32 tiers. Needs NEFL_EXPORT_DIR; skipped without it.
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
@@ -29,9 +30,9 @@ test("the example loads the export and chooses a tier per request", { skip: DIR 
   });
 });
 
-test("the README shows this example, character for character", () => {
-  const readme = readFileSync(fileURLToPath(new URL("../../README.md", import.meta.url)), "utf8");
-  const block = readme.match(/```javascript\n([\s\S]*?)```/);
-  assert.ok(block, "README.md has a ```javascript block");
+test("the documentation shows this example, character for character", () => {
+  const page = readFileSync(fileURLToPath(new URL("../../docs/tutorials/deploy-tiers.md", import.meta.url)), "utf8");
+  const block = page.match(/```javascript\n([\s\S]*?)```/);
+  assert.ok(block, "docs/tutorials/deploy-tiers.md has a ```javascript block");
   assert.equal(block[1], readFileSync(EXAMPLE, "utf8"));
 });

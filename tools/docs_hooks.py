@@ -1,0 +1,172 @@
+"""MkDocs hooks of the documentation site (``mkdocs.yml``: ``hooks``).
+
+* Generated reference: a line ``<!-- generate: cli -->`` in a page becomes the reference of
+  every ``nefl-zoo`` command, read from the typer app (usage, arguments, options, defaults,
+  help); ``<!-- generate: schema MODULE:MODEL -->`` becomes a table per pydantic model (the
+  model and every model it nests), read from ``MODEL.model_json_schema()``. An unknown
+  directive stops the build.
+* Docstrings: the Sphinx roles they use (``:func:`name```, ``:class:`~pkg.Name```) render as
+  code, and a paragraph's ``::`` (reST's literal block marker) as ``:``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from importlib import import_module
+
+DIRECTIVE = re.compile(r"^<!--\s*generate:\s*(?P<kind>\w+)\s*(?P<args>.*?)\s*-->$", re.MULTILINE)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Replace each ``<!-- generate: ... -->`` line with what it names."""
+
+    def generate(match: re.Match) -> str:
+        kind, args = match["kind"], match["args"]
+        if kind == "cli" and not args:
+            return cli_reference()
+        if kind == "schema" and ":" in args:
+            return schema_reference(args)
+        raise ValueError(f"{page.file.src_uri}: unknown directive 'generate: {kind} {args}' "
+                         "(expected 'generate: cli' or 'generate: schema MODULE:MODEL')")
+
+    return DIRECTIVE.sub(generate, markdown)
+
+
+ROLE = re.compile(r":(?:func|class|mod|data|attr|meth|exc|obj):<code>(~)?([^<]*)</code>")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Docstrings' Sphinx roles as plain code (``~`` keeps the last name), ``::`` as ``:``."""
+    html = ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html)
+    return html.replace("::</p>", ":</p>")
+
+
+# ---- the CLI, from the typer app ----------------------------------------------------------------
+def cli_reference() -> str:
+    """A section per ``nefl-zoo`` command, in the order ``nefl-zoo --help`` lists them."""
+    import click
+
+    with warnings.catch_warnings():  # typer's own imports of deprecated click names
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import typer.main
+
+        from nefl_zoo_cli.app import app
+
+    group = typer.main.get_command(app)
+    root = click.Context(group, info_name="nefl-zoo")
+    sections = []
+    for name in group.list_commands(root):
+        command = group.get_command(root, name)
+        if command is None or command.hidden:
+            continue
+        context = click.Context(command, info_name=name, parent=root)
+        usage = " ".join(command.collect_usage_pieces(context))
+        rows = [_param_row(param) for param in command.params if not getattr(param, "hidden", False)]
+        sections.append(
+            f"## `nefl-zoo {name}`\n\n{_cell_text(command.help or '', table=False)}\n\n"
+            f"```text\nnefl-zoo {name} {usage}\n```\n\n"
+            "| argument or option | type | default | what it does |\n|---|---|---|---|\n" + "\n".join(rows)
+        )
+    return "\n\n".join(sections) + "\n"
+
+
+def _param_row(param) -> str:
+    """One table row: names, type (choices listed), default, help."""
+    import click
+
+    if isinstance(param, click.Argument):
+        names = param.human_readable_name + ("" if param.required else " (optional)")
+    else:
+        names = ", ".join(param.opts) + "".join(f" / {opt}" for opt in param.secondary_opts)
+    choices = getattr(param.type, "choices", None)
+    kind = " \\| ".join(str(c) for c in choices) if choices else param.type.name.upper()
+    if getattr(param, "is_flag", False) and not param.secondary_opts:
+        kind, default = "flag", ""
+    elif getattr(param, "multiple", False):
+        kind, default = f"{kind}, repeatable", ""
+    else:
+        default = _default(param)
+    if param.required:
+        default = "required"
+    return f"| `{names}` | {kind} | {default} | {_cell_text(getattr(param, 'help', None) or '')} |"
+
+
+def _default(param) -> str:
+    value = param.default
+    if value is None:
+        return ""
+    if isinstance(value, bool) and param.secondary_opts:
+        return f"`{param.opts[0] if value else param.secondary_opts[0]}`"
+    return f"`{getattr(value, 'value', value)}`"
+
+
+def _cell_text(text: str, table: bool = True) -> str:
+    """Help text as Markdown: click's ``\\b`` paragraph markers dropped; in a table cell, on one
+    line with ``|`` escaped."""
+    text = text.replace("\b", "").strip()
+    return " ".join(text.split()).replace("|", "\\|") if table else text
+
+
+# ---- schemas, from the pydantic models -----------------------------------------------------------
+def schema_reference(target: str) -> str:
+    """A table per model of ``MODULE:MODEL``'s JSON Schema: the model first, then the models it
+    refers to, in the order they are first referred to, each with the key it is found at."""
+    module, name = target.split(":", 1)
+    schema = getattr(import_module(module), name).model_json_schema()
+    nodes = {name: schema, **schema.pop("$defs", {})}
+    found_at, queue = {name: ""}, [name]
+    while queue:
+        title = queue.pop(0)
+        for field, spec in nodes[title].get("properties", {}).items():
+            for ref in re.findall(r'"\$ref": "#/\$defs/([^"]+)"', json.dumps(spec)):
+                if ref not in found_at:
+                    found_at[ref] = f"{found_at[title]}.{field}".lstrip(".")
+                    queue.append(ref)
+    return "\n\n".join(_model_table(title, nodes[title], key) for title, key in found_at.items()) + "\n"
+
+
+def _model_table(title: str, node: dict, key: str) -> str:
+    required = set(node.get("required", ()))
+    rows = []
+    for field, spec in node.get("properties", {}).items():
+        default = "required" if field in required else (f"`{json.dumps(spec['default'])}`" if "default" in spec else "")
+        rows.append(f"| `{field}` | {_type(spec)} | {default} | {_cell_text(spec.get('description', ''))} |")
+    extra = "" if node.get("additionalProperties", True) else "\n\nOther keys are refused."
+    description = node.get("description", "").strip()
+    head = f"### {title}\n\n" + (f"At `{key}`. " if key else "") + (f"{description}\n\n" if description else "\n\n")
+    if not rows:
+        return head + "No fields." + extra
+    return head + "| field | type | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + extra
+
+
+BOUNDS = {"exclusiveMinimum": "> {}", "minimum": "≥ {}", "exclusiveMaximum": "< {}", "maximum": "≤ {}",
+          "minLength": "at least {} characters", "maxLength": "at most {} characters",
+          "minItems": "at least {} items", "maxItems": "at most {} items", "exactItems": "{} items", "pattern": "matches `{}`"}
+
+
+def _type(spec: dict) -> str:
+    """A JSON Schema node as short Markdown: ``integer ≥ 1``, ``a \\| b``, a link to a model."""
+    if "$ref" in spec:
+        ref = spec["$ref"].rsplit("/", 1)[1]
+        return f"[{ref}](#{ref.lower()})"
+    for union in ("anyOf", "oneOf"):
+        if union in spec:
+            return " or ".join(_type(option) for option in spec[union])
+    if "enum" in spec:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in spec["enum"])
+    if "const" in spec:
+        return f"`{json.dumps(spec['const'])}`"
+    kind = spec.get("type", "any")
+    if kind == "array":
+        kind = f"list of {_type(spec['items'])}" if "items" in spec else "list"
+        if "prefixItems" in spec:
+            kind = "[" + ", ".join(_type(item) for item in spec["prefixItems"]) + "]"
+    elif kind == "object" and isinstance(spec.get("additionalProperties"), dict):
+        kind = f"map to {_type(spec['additionalProperties'])}"
+    if spec.get("minItems") is not None and spec.get("minItems") == spec.get("maxItems"):
+        spec = {**spec, "exactItems": spec.pop("minItems")}
+        del spec["maxItems"]
+    bounds = [text.format(spec[key]).replace("|", "\\|") for key, text in BOUNDS.items() if key in spec]
+    return f"{kind} ({', '.join(bounds)})" if bounds else kind
