@@ -1,4 +1,6 @@
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,14 +11,25 @@ from nefl_zoo.spec import parse_spec
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 
 
+# the files that take longest (seconds of test time, measured 2026-12-06 on 2 cores), longest first
+LONGEST = ["test_flower_deployment.py", "test_method_contract_flower.py", "test_readme.py", "test_model_contract.py",
+           "test_nested.py", "test_accel.py", "test_store.py", "test_write_errors.py", "test_method_contract.py",
+           "test_fl_engine.py", "test_methods_faithful.py", "test_browser.py", "test_edge_models.py"]
+
+
 def pytest_collection_modifyitems(items):
     """Longest files first, so the two xdist workers (``--dist loadfile --no-loadscope-reorder``)
-    end together: the Flower deployment test (minutes of waiting on process starts and Flower's
-    3 s polls, with one test) first, then files by their number of tests."""
+    end together: the files of ``LONGEST`` in its order (the Flower deployment test first: minutes
+    of process starts and Flower's polls, in one test), then the others by their number of tests."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files.values(), key=lambda group: (not group[0].get_closest_marker("deployment"), -len(group)))
+
+    def rank(group):
+        name = Path(group[0].nodeid.split("::")[0]).name
+        return (LONGEST.index(name) if name in LONGEST else len(LONGEST), -len(group))
+
+    order = sorted(files.values(), key=rank)
     items[:] = [item for group in order for item in group]
 
 
@@ -67,11 +80,20 @@ def server_identity(monkeypatch):
 
 @pytest.fixture(scope="session")
 def nested_export_dir(tmp_path_factory):
-    """The small nested export of tests/support/exports.py, made once per test process (read it,
-    never write into it: copy it first)."""
+    """The small nested export of tests/support/exports.py, made once per test run (read it, never
+    write into it: copy it first). xdist workers share it: the first to take the lock in their
+    common temporary folder exports it, then renames the complete folder into place."""
     from .support.exports import nested_export
 
-    return nested_export(tmp_path_factory.mktemp("nested"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "nested-export"
+    with open(shared / "nested-export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.exists():
+            staging = nested_export(tmp_path_factory.mktemp("nested"))
+            staging.rename(folder)
+    return folder
 
 
 @pytest.fixture
