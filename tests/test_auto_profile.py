@@ -82,8 +82,12 @@ def test_profile_tiers_and_formats(resnet20_spec):
     assert all(p.latency_ms > 0 for p in profiles)
     md = to_markdown(profiles)
     assert md.splitlines()[0].startswith("| tier | gamma | gamma_w | params |") and "fvcore" in md
+    assert [line.startswith("| ") and line.endswith(" |") for line in md.splitlines()[2:5]] == [True] * 3
+    assert md.splitlines()[2].startswith("| small |")
     rows = to_csv(profiles).splitlines()
     assert rows[0].startswith("name,gamma,gamma_w,params,params_ratio,macs") and len(rows) == 4
+    assert ",2/2/2," in rows[1] and ",3/3/3," in rows[3]
+    assert to_json(profiles).startswith('{\n  "macs_note": ')  # indented for people reading it
     data = json.loads(to_json(profiles))
     assert [t["name"] for t in data["tiers"]] == ["small", "medium", "full"]
 
@@ -204,3 +208,28 @@ def test_cache_dir_honours_the_environment(monkeypatch, tmp_path):
     assert prof.cache_dir() == tmp_path / "nefl-zoo"
     monkeypatch.setenv(prof.CACHE_ENV, str(tmp_path / "mine"))
     assert prof.cache_dir() == tmp_path / "mine"
+
+
+def test_the_batch_check_counts_the_largest_working_set_and_names_it(monkeypatch):
+    from torch import nn
+
+    from nefl_zoo import memory
+    from nefl_zoo.profile import check_batch_fits, peak_activation_bytes
+
+    class PureTensorOps(nn.Module):  # no module is called: the input alone is the working set
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(1, 1)
+
+        def forward(self, x):
+            return x * 2
+
+    assert peak_activation_bytes(PureTensorOps(), (3, 4, 4)) == 4 * 48
+    conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1))
+    assert peak_activation_bytes(conv, (1, 4, 4)) == 4 * (16 + 128)  # its input plus its 8 output channels
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 10 * 2**20)
+    check_batch_fits(conv, (1, 4, 4), 4000)  # 4 x 576 bytes each: 9 MiB
+    with pytest.raises(ValueError) as refused:
+        check_batch_fits(conv, (1, 4, 4), 5000)
+    assert str(refused.value) == ("batch 5000: needs about 11.0 MiB (0.00 MiB per input), more than the 10.0 MiB of "
+                                  "memory available; use a batch of at most 4,551")

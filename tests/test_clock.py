@@ -205,3 +205,31 @@ def test_compare_reports_the_time_to_a_target_accuracy_on_the_simulated_clock(tm
         assert entry["dropped"] == sum(r["dropped"] for r in logged) and entry["lost"] == sum(r["lost"] for r in logged)
     assert "Time to 0.00% worst-case accuracy" in result.markdown and "| FedAvg (waits) |" in result.markdown
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+
+
+def test_tier_costs_are_three_forward_macs_and_three_copies_of_the_weights_plus_activations():
+    """A training step costs forward + backward (3x the forward MACs); its memory holds the
+    weights, their gradients and the optimizer's copy (3x the bytes) and every layer's output
+    per image of the batch."""
+    from nefl_zoo.fl.clock import activation_bytes
+    from nefl_zoo.profile import macs_signature, tier_macs
+    from nefl_zoo.slim import compile_spec
+
+    strategy = tiny().build_strategy()
+    costs = TierCosts.of(strategy, batch_size=5)
+    compiled = compile_spec(strategy.run.spec)
+    assert costs.names == tuple(sorted(compiled.tiers, key=lambda t: compiled.tiers[t].slice_map.numel()))
+    for i, name in enumerate(costs.names):
+        tier = compiled.tiers[name]
+        forward = tier_macs(macs_signature(strategy.run.spec, tier.tier, compiled.input_size), tier.build)
+        size = 4 * tier.slice_map.numel()
+        assert costs.train_macs[i] == 3 * forward and costs.bytes[i] == size
+        assert costs.memory[i] == 3 * size + 5 * activation_bytes(tier.build(), compiled.input_size)
+
+
+def test_a_device_with_exactly_the_smallest_tiers_memory_trains_it():
+    exact = 1e6 / 2**20  # MiB: the 1e6 bytes of tier s
+    c = clock([device("tight", 1.0, 1e9, memory_mb=exact)], clients=1)
+    assert c.available(0, [ClientInfo(0, ("s",))]) == [ClientInfo(0, ("s",))]
+    with pytest.raises(ValueError, match=r"^devices.classes: no device has the memory to train the smallest tier \(s: 1.0 MiB\)$"):
+        clock([device("short", 1.0, 1e9, memory_mb=exact * 0.999)], clients=1)

@@ -106,3 +106,34 @@ def test_learning_rate_schedules():
     lrs = [learning_rate(cosine, r, 10) for r in range(10)]
     assert lrs[0] == pytest.approx(0.05) and lrs[1] == pytest.approx(0.1) and lrs[2] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 0.01
+
+
+def test_a_relative_trace_is_resolved_against_the_config_and_a_bad_one_named(tmp_path):
+    (tmp_path / "s.yaml").write_text("model: resnet20\ntiers: [{name: only}]\n")
+    (tmp_path / "trace.csv").write_text("client,start_s,end_s\n0,0,100\n1,5,50\n")
+    devices = ("devices: {classes: [{name: d, share: 1, macs_per_s: 1.0e9, memory_mb: 64, uplink_mbps: 10, "
+               "downlink_mbps: 10}], deadline_s: 5, trace: trace.csv}\n")
+    (tmp_path / "c.yaml").write_text(f"spec: s.yaml\nclients: {{num_clients: 2}}\n{devices}")
+    config = load_config(tmp_path / "c.yaml")
+    assert config.devices.trace == str((tmp_path / "trace.csv").resolve())  # resumes from any working directory
+    assert parse_config(config.to_dict()).devices.trace == config.devices.trace
+    with pytest.raises(ConfigError) as refused:
+        load_config(tmp_path / "c.yaml", ["clients.num_clients=1"])
+    assert str(refused.value) == (f"{tmp_path / 'c.yaml'}: devices.trace: {tmp_path / 'trace.csv'}: line 3: client 1 is not "
+                                  "one of the 1 clients (0..0)")
+
+
+def test_a_missing_device_is_named_with_the_config_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("spec: {model: resnet20, tiers: [{name: only}]}\ntrain: {device: 'cuda:7'}\n")
+    config = load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError) as refused:
+        config.placement()
+    assert str(refused.value).startswith(f"{tmp_path / 'c.yaml'}: train.device: ")
+
+
+def test_the_strategy_is_built_from_the_configs_sections():
+    config = parse_config({"spec": SPEC, "seed": 3, "rounds": 7, "clients": {"fraction": 0.25}, "train": {"lr": 0.05}})
+    run = config.build_strategy().run
+    assert run.train == config.train and run.train.lr == 0.05 and run.eval == config.eval
+    assert (run.seed, run.rounds, run.fraction) == (3, 7, 0.25) and run.spec == config.submodel_spec()
+    assert run.data.root == str(config.data_root()) and run.aggregation == config.aggregation

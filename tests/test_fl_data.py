@@ -110,3 +110,79 @@ def test_cifar10_from_batches_the_test_writes(tmp_path, monkeypatch):
     std = torch.tensor(NORMALIZATION["cifar10"][1]).view(3, 1, 1)
     torch.testing.assert_close(x, (raw.view(3, 32, 32) / 255 - mean) / std)  # no augmentation at test time
     _check_cover(data.partitions, 20)
+
+
+def test_the_digits_test_split_is_fixed_whatever_the_run_seed():
+    """The held-out quarter is the same stratified split in every run (sklearn, random_state 0):
+    runs of different seeds are evaluated on the same images."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    a = load_data(DataConfig(), None, (1, 8, 8), num_clients=4, seed=0)
+    b = load_data(DataConfig(), None, (1, 8, 8), num_clients=4, seed=5)
+    assert torch.equal(a.test.images, b.test.images) and torch.equal(a.test.labels, b.test.labels)
+    target = load_digits().target
+    _, test = train_test_split(np.arange(len(target)), test_size=0.25, stratify=target, random_state=0)
+    assert a.test.labels.tolist() == target[test].tolist()
+
+
+def test_partitions_follow_the_configs_alpha_and_shards():
+    for cfg in (DataConfig(partition="dirichlet", alpha=0.1, shards_per_client=3),
+                DataConfig(partition="shards", alpha=0.1, shards_per_client=3)):
+        data = load_data(cfg, None, (1, 8, 8), num_clients=6, seed=2)
+        expected = partition(data.targets, 6, cfg.partition, 2, 0.1, 3)
+        assert all(np.array_equal(p, q) for p, q in zip(data.partitions, expected, strict=True))
+
+
+def test_an_image_folder_may_name_its_test_split_val(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            Image.fromarray(np.zeros((4, 4, 3), dtype=np.uint8)).save(tmp_path / split / label / "0.png")
+    data = load_data(DataConfig(dataset="imagefolder"), tmp_path, (3, 4, 4), num_clients=1, seed=0)
+    assert len(data.test) == 2 and data.num_classes == 2
+
+
+def test_download_is_asked_of_torchvision_for_both_splits(tmp_path, monkeypatch):
+    from torchvision import datasets
+
+    calls = []
+
+    def svhn(root, split, download=False):
+        calls.append((split, download))
+        return datasets.FakeData(size=2, image_size=(3, 8, 8), num_classes=10)
+
+    monkeypatch.setattr(datasets, "SVHN", svhn)
+    monkeypatch.setattr(datasets.FakeData, "targets", [0, 1], raising=False)
+    load_data(DataConfig(dataset="svhn", download=True), tmp_path, (3, 8, 8), num_clients=1, seed=0)
+    assert calls == [("train", True), ("test", True)]
+
+
+def test_the_appendix_augmentations_are_svhns_jitter_and_the_others_flip():
+    """NeFL's appendix: SVHN random crop (padding 2) and colour jitter (brightness 63/255,
+    saturation 0.5-1.5, contrast 0.2-1.8); CIFAR-10/100 and CINIC-10 random crop (padding 4) and
+    horizontal flip; evaluation: resize and normalise only."""
+    from torchvision.transforms import v2
+
+    from nefl_zoo.fl.data import _transforms
+
+    train, plain = _transforms("svhn", (3, 32, 32), True)
+    crop, jitter = train.transforms[2], train.transforms[3]
+    assert isinstance(crop, v2.RandomCrop) and crop.padding == [2, 2, 2, 2]
+    assert isinstance(jitter, v2.ColorJitter) and jitter.brightness == pytest.approx((1 - 63 / 255, 1 + 63 / 255))
+    assert jitter.saturation == (0.5, 1.5) and jitter.contrast == (0.2, 1.8) and jitter.hue is None
+    train, _ = _transforms("cifar10", (3, 32, 32), True)
+    assert [type(t) for t in train.transforms[2:4]] == [v2.RandomCrop, v2.RandomHorizontalFlip] and train.transforms[2].padding == [4, 4, 4, 4]
+    assert [type(t) for t in plain.transforms] == [v2.ToImage, v2.Resize, v2.ToDtype, v2.Normalize]
+    assert [type(t) for t in _transforms("svhn", (3, 32, 32), False)[0].transforms] == [v2.ToImage, v2.Resize, v2.ToDtype, v2.Normalize]
+
+
+def test_normalisation_per_channel_for_grey_and_colour_models():
+    from nefl_zoo.datasets import normalization, per_channel
+
+    assert per_channel(((0.1, 0.2, 0.6), (0.2, 0.4, 0.3)), 1) == (pytest.approx((0.3,)), pytest.approx((0.3,)))
+    assert per_channel(((0.5,), (0.25,)), 3) == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    assert per_channel(((0.1, 0.2, 0.6), (0.2, 0.4, 0.3)), 3) == ((0.1, 0.2, 0.6), (0.2, 0.4, 0.3))  # its own
+    assert normalization("cifar10", 3) == NORMALIZATION["cifar10"] and normalization("digits", 1) is None

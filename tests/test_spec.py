@@ -123,3 +123,31 @@ def test_measured_ratios_match_the_reference_figures():
     assert measured_ratios(load_spec(root / "resnet56/nefl-wd.yaml")) == [0.205, 0.405, 0.621, 0.815, 1.0]
     assert measured_ratios(load_spec(root / "resnet34/nefl-wd.yaml"))[2] == 0.559
     assert "off its nominal gamma (0.559 vs 0.6)" in (root / "resnet34/nefl-wd.yaml").read_text()
+
+
+def test_a_spec_is_a_file_path_or_a_shipped_name(tmp_path, monkeypatch):
+    from nefl_zoo.spec import resolve_spec_path
+
+    own = write(tmp_path, "model: resnet20\ntiers: [{name: g1}]\n")
+    assert resolve_spec_path(own) == own and resolve_spec_path(str(own)) == own
+    assert resolve_spec_path("resnet56/nefl-w") == shipped_specs_dir() / "resnet56" / "nefl-w.yaml"
+    with pytest.raises(SpecError) as unknown:
+        resolve_spec_path("resnet56/nefl-x")
+    assert str(unknown.value) == "resnet56/nefl-x: no such spec file or shipped spec (see `nefl-zoo specs`)"
+    monkeypatch.setenv("NEFL_ZOO_SPECS", str(tmp_path))  # another folder of shipped specs
+    assert shipped_specs_dir() == tmp_path and resolve_spec_path("x") == tmp_path / "x.yaml"
+
+
+def test_stage_depths_and_parameters_of_a_zoo_model():
+    from nefl_zoo.spec import model_shape, stage_depths
+
+    assert stage_depths("resnet20", ()) == (3, 3, 3) and stage_depths("resnet56", ()) == (9, 9, 9)
+    depths, params = model_shape("resnet20", (("num_classes", 10),))
+    assert depths == (3, 3, 3) and params == sum(p.numel() for p in create_model("resnet20", num_classes=10).parameters())
+    assert model_shape("resnet18", (("planes", [8, 16, 32, 64]),))[0] == (2, 2, 2, 2)  # a list: not cached, still built
+
+
+def test_spec_data_that_is_no_mapping_is_one_line():
+    with pytest.raises(SpecError) as refused:
+        parse_spec(["resnet20"])
+    assert str(refused.value) == "<spec>: expected a mapping with model and tiers, got list"

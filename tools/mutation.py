@@ -59,14 +59,28 @@ def whole_files(tests_by_function: dict[str, set[str]], all_tests: list[str]) ->
         tests |= {t for f in {t.split("::")[0] for t in tests} for t in by_file.get(f, ())}
 
 
+def drop_plain_copies() -> None:
+    """Delete ``mutants/`` copies of modules to mutate that hold no mutants. mutmut copies a
+    module it does not mutate with a new mtime, and later takes that copy for an up-to-date
+    mutated file: a module added to ``only_mutate`` afterwards would never be mutated."""
+    table = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["mutmut"]["only_mutate"]
+    for path in table:
+        copy = Path("mutants") / path
+        if copy.is_file() and "__mutmut_" not in copy.read_text():
+            copy.unlink()
+
+
 def own_mutants(module: str) -> list[str]:
     """mutmut's name patterns for the mutants of ``module``'s own functions and methods: a
     package's ``__init__.py`` (``nefl_zoo.nest``) without those of its submodules."""
     return [f"{module}.x_*", f"{module}.xǁ*"]
 
 
-def sample_names(module: str, size: int, seed: int) -> list[str]:
-    """``size`` names drawn with ``seed`` from the sorted mutants of ``module`` (generated first)."""
+def mutant_names(module: str) -> list[str]:
+    """The sorted names of the mutants of ``module``'s own functions (generated first); none
+    for a module of imports and decorated functions only."""
+    from fnmatch import fnmatch
+
     from mutmut.__main__ import (collect_source_file_mutation_data, copy_also_copy_files, copy_src_dir,
                                  create_mutants, setup_source_paths)
 
@@ -75,9 +89,12 @@ def sample_names(module: str, size: int, seed: int) -> list[str]:
     copy_also_copy_files()
     setup_source_paths()
     create_mutants(1)
-    mutants, _ = collect_source_file_mutation_data(mutant_names=own_mutants(module))
-    names = sorted(name for _, name, _ in mutants)
-    print(f"{module}: {min(size, len(names))} of its {len(names)} mutants drawn with seed {seed}")
+    mutants, _ = collect_source_file_mutation_data(mutant_names=None)
+    return sorted(name for _, name, _ in mutants if any(fnmatch(name, p) for p in own_mutants(module)))
+
+
+def sample_names(names: list[str], size: int, seed: int) -> list[str]:
+    """``size`` of ``names`` drawn with ``seed``."""
     return sorted(random.Random(seed).sample(names, min(size, len(names))))
 
 
@@ -107,8 +124,13 @@ def run(module: str, entry: dict, names: list[str] | None = None, sample: tuple[
     mutmut_main.collect_or_load_stats = collect_whole_files
     regular_args = PytestRunner._pytest_args_regular_run
     PytestRunner._pytest_args_regular_run = lambda self, ids: regular_args(self, in_file_order(list(ids), tests))
+    every = mutant_names(module)
+    if not every:
+        print(f"\n{module}: no mutants (imports, constants and decorated functions only)")
+        return
     if sample:
-        names = sample_names(module, *sample)
+        names = sample_names(every, *sample)
+        print(f"{module}: {len(names)} of its {len(every)} mutants drawn with seed {sample[1]}")
     try:
         cli(["run", "--max-children", str(children), *(names or own_mutants(module))], standalone_mode=False)
     except SystemExit as exc:  # mutmut exits when the clean run of the tests fails
@@ -136,6 +158,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--children", type=int, default=1,
                         help="mutants run at once (default 1; one per core at most, with OMP_NUM_THREADS=1)")
     args = parser.parse_args(argv)
+    drop_plain_copies()
     table = modules()
     if args.names and any("__mutmut_" in a for a in args.names[1:]):
         run(args.names[0], table[args.names[0]], args.names[1:], children=args.children)
