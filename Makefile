@@ -48,7 +48,7 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	$(DOCS_ENV) $(BIN)/mkdocs serve
 
-# Mutation testing of the core (TESTING.md): each module of [tool.nefl-zoo.mutation] in
+# Mutation testing (TESTING.md): each module of [tool.nefl-zoo.mutation] in
 # pyproject.toml against its own test files, one worker; slow, not part of `make test`.
 # `make mutation MODULES=nefl_zoo.fl.aggregate` runs one module; SAMPLE=120 scores 120 of its mutants (seed 0);
 # CHILDREN=2 runs two mutants at once (one per core).

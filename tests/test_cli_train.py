@@ -118,3 +118,11 @@ def test_methods_lists_every_registered_method_with_its_settings():
     for name, cls in methods.items():
         assert cls.label.split(" (")[0] in rows[name]
     assert "mu: 0.01" in rows["fedprox"] and "variant: original" in rows["fjord"] and "variant: original" in rows["depthfl"]
+
+
+def test_methods_lists_every_registered_method():
+    from nefl_zoo.fl.registry import registered_methods
+
+    result = runner.invoke(app, ["methods", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [m["method"] for m in json.loads(result.stdout)] == list(registered_methods())

@@ -131,3 +131,28 @@ def test_readme_build_example_prints_exactly_what_the_readme_shows():
     result = invoke(*shlex.split(command)[2:])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [shown]
+
+
+def test_profile_by_module_in_every_format(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: resnet20\nmodel_args: {img_size: 8}\ntiers: [{name: g1}]\n")
+    csv = invoke("profile", str(spec), "--by-module", "--format", "csv").stdout.splitlines()
+    assert csv[0] == "tier,module,params,macs" and csv[1].startswith("g1,(total),")
+    markdown = invoke("profile", str(spec), "--by-module", "--format", "markdown").stdout.splitlines()
+    assert markdown[:2] == ["| tier | module | params | MACs |", "|---|---|---|---|"] and markdown[2].startswith("| g1 | (total) | ")
+    table = invoke("profile", str(spec), "--by-module").stdout
+    assert [c.strip() for c in table.splitlines()[1].split("┃")[1:5]] == ["tier", "module", "params", "MACs"]
+
+
+def test_specs_lists_an_invalid_spec_by_name(tmp_path, monkeypatch):
+    (tmp_path / "resnet20").mkdir()
+    (tmp_path / "resnet20" / "broken.yaml").write_text("model: resnet20\ntiers: []\n")
+    monkeypatch.setenv("NEFL_ZOO_SPECS", str(tmp_path))
+    rows = [line for line in invoke("specs").stdout.splitlines() if "broken" in line]
+    assert len(rows) == 1 and "resnet20/broken" in rows[0] and "invalid" in rows[0]
+
+
+def test_build_says_when_the_ratio_cannot_be_reached():
+    result = invoke("build", "resnet18", "--gamma", "0.2", "--mode", "depth")
+    assert result.exit_code == 0
+    assert result.stderr.startswith("note: resnet18 cannot reach parameter ratio 0.2 within 1% in depth mode")

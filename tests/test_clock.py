@@ -233,3 +233,47 @@ def test_a_device_with_exactly_the_smallest_tiers_memory_trains_it():
     assert c.available(0, [ClientInfo(0, ("s",))]) == [ClientInfo(0, ("s",))]
     with pytest.raises(ValueError, match=r"^devices.classes: no device has the memory to train the smallest tier \(s: 1.0 MiB\)$"):
         clock([device("short", 1.0, 1e9, memory_mb=exact * 0.999)], clients=1)
+
+
+def test_time_report_writes_its_json_table_and_figure(tmp_path, monkeypatch):
+    """Two entries of two seeds each: the default target (``default_target``), the JSON, the
+    markdown with its figure link, and the figure: one colour and one legend label per entry
+    (its seeds share them), the target dashed, 7 x 4.5 inches."""
+    import matplotlib.figure
+
+    from nefl_zoo.fl.time_to_accuracy import time_report
+
+    points = {"a": [[({"sim_time_s": 10.0}, 40.0), ({"sim_time_s": 20.0}, 60.0)]] * 2,
+              "b": [[({"sim_time_s": 30.0}, 30.0), ({"sim_time_s": 90.0}, 70.0)]] * 2}
+    dirs = {}
+    for key in points:
+        dirs[key] = []
+        for seed in range(2):
+            folder = tmp_path / f"{key}{seed}"
+            folder.mkdir()
+            folder.joinpath("metrics.jsonl").write_text("\n".join(json.dumps({"dropped": seed + 1, "lost": 2}) for _ in range(2)))
+            dirs[key].append(folder)
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    curves = {k: [(np.array([10.0, 20.0]), np.array([40.0, 60.0]))] * 2 if k == "a" else
+              [(np.array([30.0, 90.0]), np.array([30.0, 70.0]))] * 2 for k in points}
+    target = default_target(curves)
+    text = time_report({"a": "A", "b": "B"}, points, dirs, "recompute", None, tmp_path, True, "title")
+    assert text.startswith(f"\nTime to {target:.2f}% worst-case accuracy (BN recompute) on the simulated clock")
+    assert text.endswith("\n![accuracy vs simulated time](time_to_accuracy.png)\n") and (tmp_path / "time_to_accuracy.png").exists()
+    raw = (tmp_path / "time_to_accuracy.json").read_text()
+    assert raw.startswith('{\n  "treatment": "recompute",\n  "entries": ')
+    assert json.loads(raw)["entries"] == time_table({"a": "A", "b": "B"}, curves, target, {k: {"dropped": 3.0, "lost": 4.0} for k in points})[1]
+    (fig,) = figures
+    ax = fig.axes[0]
+    assert tuple(fig.get_size_inches()) == (7, 4.5)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A", "B", f"target {target:.2f}%"]
+    assert {t.get_fontsize() for t in ax.get_legend().get_texts()} == {8}
+    seeds_a, seeds_b, line = ax.get_lines()[:2], ax.get_lines()[2:4], ax.get_lines()[4]
+    assert seeds_a[0].get_color() == seeds_a[1].get_color() != seeds_b[0].get_color() == seeds_b[1].get_color()
+    assert [seeds_a[0].get_label(), seeds_b[0].get_label()] == ["A", "B"]  # an entry's first seed carries its label
+    assert seeds_a[1].get_label().startswith("_") and seeds_b[1].get_label().startswith("_")  # the others: none
+    assert (line.get_linestyle(), line.get_linewidth(), line.get_ydata()[0]) == ("--", 1, target)
+    assert time_report({"a": "A"}, {"a": points["a"]}, {"a": dirs["a"]}, "recompute", 50.0, tmp_path / "a0", False, "t").endswith(
+        "| 3 | 4 | \n") and not (tmp_path / "a0" / "time_to_accuracy.png").exists()

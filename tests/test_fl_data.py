@@ -186,3 +186,20 @@ def test_normalisation_per_channel_for_grey_and_colour_models():
     assert per_channel(((0.5,), (0.25,)), 3) == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
     assert per_channel(((0.1, 0.2, 0.6), (0.2, 0.4, 0.3)), 3) == ((0.1, 0.2, 0.6), (0.2, 0.4, 0.3))  # its own
     assert normalization("cifar10", 3) == NORMALIZATION["cifar10"] and normalization("digits", 1) is None
+
+
+def test_each_clients_data_is_split_train_val_test_seeded_per_client():
+    from nefl_zoo.fl.data import local_split
+
+    parts = [np.arange(10), np.arange(10, 13), np.arange(20, 22)]
+    train, holdout = local_split(parts, (0.6, 0.2, 0.2), seed=1)
+    assert [(len(t), len(v), len(s)) for t, (v, s) in zip(train, holdout)] == [(6, 2, 2), (1, 1, 1), (1, 0, 1)]
+    for part, t, (v, s) in zip(parts, train, holdout):  # disjoint, complete, sorted
+        assert sorted([*t, *v, *s]) == part.tolist() and all(list(a) == sorted(a) for a in (t, v, s))
+    order = np.random.default_rng([1, 0]).permutation(parts[0])  # client 0's own stream: test first, then val
+    assert holdout[0][1].tolist() == sorted(order[:2]) and holdout[0][0].tolist() == sorted(order[2:4])
+    again, _ = local_split(parts, (0.6, 0.2, 0.2), seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip(train, again))
+    with pytest.raises(ValueError) as too_few:
+        local_split([np.arange(4), np.arange(1)], (0.6, 0.2, 0.2), seed=1)
+    assert str(too_few.value) == "client 1 has 1 sample(s): too few to hold out a test split"

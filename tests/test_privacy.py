@@ -60,11 +60,12 @@ def test_clients_are_clipped_before_the_noise():
     config = AggregationConfig(clip=1.0, dp=PrivacyConfig(noise_multiplier=1e-9))
     state, rejected, metrics = aggregate_updates(glob, [big], config, assigned=[prefix(2)] * 2, seed=0, server_round=1, rate=0.5)
     assert torch.allclose(state["w"], torch.tensor([0.3, 0.4])) and metrics["clipped"] == 1 and not rejected  # (0.6, 0.8) / 2
-    message = r"^aggregation\.dp: needs the round's assigned clients \(the denominators\) and the sampling rate$"
-    with pytest.raises(ValueError, match=message):
-        aggregate_updates(glob, [big], config, rate=0.5)
-    with pytest.raises(ValueError, match=message):
-        aggregate_updates(glob, [big], config, assigned=[prefix(2)] * 2)
+    message = (r"^aggregation\.dp: needs the round's assigned clients \(the denominators\), the sampling rate, the run seed "
+               r"and the round$")
+    given = {"assigned": [prefix(2)] * 2, "seed": 0, "server_round": 1, "rate": 0.5}
+    for missing in given:  # the noise comes from the run seed and round, epsilon from the rate and round: no defaults
+        with pytest.raises(ValueError, match=message):
+            aggregate_updates(glob, [big], config, **{k: v for k, v in given.items() if k != missing})
 
 
 def test_the_noise_of_an_aggregation_is_seeded_by_run_seed_and_round():

@@ -68,15 +68,15 @@ class AggregationConfig(Strict):
 
 
 def aggregate_updates(global_state: Mapping[str, torch.Tensor], updates: list[Update], config: AggregationConfig, *,
-                      assigned: list[Mapping[str, SliceEntry]] | None = None, seed: int = 0, server_round: int = 1,
-                      rate: float | None = None) -> tuple[dict[str, torch.Tensor], list[tuple[int | str, str]], dict[str, float]]:
+                      assigned: list[Mapping[str, SliceEntry]] | None = None, seed: int | None = None,
+                      server_round: int | None = None, rate: float | None = None) -> tuple[dict[str, torch.Tensor], list[tuple[int | str, str]], dict[str, float]]:
     """``updates`` aggregated as ``config`` says: ``(new state, rejected, metrics)``.
 
     Invalid updates (:func:`~.aggregate.check_update`) are logged and rejected, as by
     :func:`~.aggregate.nefedavg`. ``metrics``: ``clipped`` (updates scaled down) with ``clip``;
     ``epsilon`` (cumulative, after ``server_round`` rounds at sampling ``rate``) with ``dp``,
     which also needs ``assigned`` (the slice entries of every client assigned this round),
-    ``rate`` and the run ``seed``.
+    ``rate``, the run ``seed`` and ``server_round`` (none of them has a default).
     """
     if config.plain:
         return (*nefedavg(global_state, updates), {})
@@ -94,8 +94,9 @@ def aggregate_updates(global_state: Mapping[str, torch.Tensor], updates: list[Up
         valid = [u for u, _ in clipped]
         metrics["clipped"] = sum(c for _, c in clipped)
     if config.dp is not None:
-        if assigned is None or rate is None:
-            raise ValueError("aggregation.dp: needs the round's assigned clients (the denominators) and the sampling rate")
+        if assigned is None or rate is None or seed is None or server_round is None:
+            raise ValueError("aggregation.dp: needs the round's assigned clients (the denominators), the sampling rate, "
+                             "the run seed and the round")
         dp = config.dp
         state = private_mean(global_state, valid, assigned, config.clip, dp.noise_multiplier, noise_generator(seed, server_round))
         metrics["epsilon"] = epsilon(rate, dp.noise_multiplier, server_round, dp.delta)
