@@ -44,3 +44,16 @@ def test_a_count_is_at_least_one(capsys):
     assert refusal(require_positive, capsys, latency_runs=3, max_batch=0) == "error: --max-batch: must be >= 1, got 0\n"
     assert refusal(require_positive, capsys, runs=0.5) == "error: --runs: must be >= 1, got 0.5\n"
     require_positive(latency_runs=1, max_batch=None)
+
+
+def test_a_bad_choice_or_option_is_one_line_with_exit_2():
+    from typer.testing import CliRunner
+
+    from nefl_zoo_cli.app import app
+
+    runner = CliRunner()
+    for value in ("xml", "JSON"):  # choices are case-sensitive
+        bad = runner.invoke(app, ["profile", "resnet20/nefl-wd", "--format", value])
+        assert (bad.exit_code, bad.stderr) == (2, f"error: --format: expected table, markdown, csv or json, got {value!r}\n")
+    unknown = runner.invoke(app, ["profile", "resnet20/nefl-wd", "--bogus"])
+    assert (unknown.exit_code, unknown.stderr) == (2, "error: No such option '--bogus'. (`nefl-zoo profile --help` lists the options)\n")

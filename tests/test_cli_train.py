@@ -126,3 +126,44 @@ def test_methods_lists_every_registered_method():
     result = runner.invoke(app, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     assert [m["method"] for m in json.loads(result.stdout)] == list(registered_methods())
+
+
+def test_the_progress_bar_and_the_summary_table(capsys):
+    from types import SimpleNamespace as NS
+
+    from nefl_zoo_cli.progress import RichProgress
+
+    dp = NS(delta=1e-5, noise_multiplier=1.1)
+    config = NS(method="nefl", name="tiny", rounds=2, aggregation=NS(dp=dp), clients=NS(fraction=0.5))
+    engine = NS(config=config, round=0, strategy=NS(submodel_numel={"g0.5": 1234, "g1": 56789}.__getitem__), out="runs/x")
+    result = NS(rounds=2, acc={"g0.5": 0.5, "g1": 0.75}, worst_case="g0.5", worst=0.5, avg=0.625, min=0.5,
+                bytes_down=2.5e6, bytes_up=1.25e6)
+    with RichProgress() as progress:
+        progress.start(engine)
+        task = progress.bar.tasks[0]
+        assert (task.description, task.total, task.completed) == ("nefl tiny", 2, 0)
+        progress.round({"round": 1, "train_loss": 2.25}, {})
+        assert (task.description, task.completed) == ("nefl tiny round 1 loss 2.250", 1)
+        progress.round({"round": 2, "train_loss": 1.5, "epsilon": 0.5}, {"worst": 0.5, "avg": 0.625})
+        assert task.description == "nefl tiny round 2 loss 1.500 worst 0.500 avg 0.625 epsilon 0.5"
+        progress.end(engine, result)
+    assert progress.bar is None
+    out = capsys.readouterr().out
+    rows = [" ".join(line.replace("│", " ").split()) for line in out.splitlines()]
+    assert "nefl: tiny after 2 rounds" in out and "submodel ┃ elements sent ┃ accuracy" in " ".join(out.split())
+    assert "g0.5 1,234 50.00%" in rows and "g1 56,789 75.00%" in rows
+    assert "worst (g0.5) / avg / min 50.00% / 62.50% / 50.00%" in rows
+    assert "communication: 2.5 MB down, 1.2 MB up; run dir runs/x" in rows
+    assert "privacy: (0.5, 1e-05)-DP for each client after 2 rounds (noise multiplier 1.1, sampling rate 0.5)" in rows
+    plain = NS(**{**vars(config), "aggregation": NS(dp=None)})
+    with RichProgress() as progress:  # a run without DP, no evaluation, no smallest submodel; stopped by __exit__
+        progress.start(NS(**{**vars(engine), "config": plain, "round": 1}))
+        assert progress.bar.tasks[0].completed == 1  # a resumed run starts where it stopped
+        progress.end(NS(**{**vars(engine), "config": plain}), NS(**{**vars(result), "worst_case": None}))
+    out = capsys.readouterr().out
+    assert "worst (minimum) / avg / min" in out and "privacy" not in out
+    with pytest.raises(KeyboardInterrupt):
+        with RichProgress() as interrupted:
+            interrupted.start(engine)
+            raise KeyboardInterrupt
+    assert not interrupted.bar.live.is_started  # the bar is closed on the way out
