@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or reference fails.
 DOCS_ENV := NO_MKDOCS_2_WARNING=1

@@ -78,22 +78,31 @@ def server_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value)
 
 
-@pytest.fixture(scope="session")
-def nested_export_dir(tmp_path_factory):
-    """The small nested export of tests/support/exports.py, made once per test run (read it, never
-    write into it: copy it first). xdist workers share it: the first to take the lock in their
-    common temporary folder exports it, then renames the complete folder into place."""
-    from .support.exports import nested_export
-
+def shared_folder(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``make(staging)`` fills (``staging``: an empty folder), made once per test run
+    and shared by the xdist workers (read it, never write into it: copy it first): the first to
+    take the lock ``NAME.lock`` in their common temporary folder makes it, then renames the
+    complete folder into place."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    folder = shared / "nested-export"
-    with open(shared / "nested-export.lock", "w") as lock:
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not folder.exists():
-            staging = nested_export(tmp_path_factory.mktemp("nested"))
+            staging = tmp_path_factory.mktemp(name) / name
+            staging.mkdir()
+            make(staging)
             staging.rename(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def nested_export_dir(tmp_path_factory):
+    """The small nested export of tests/support/exports.py, made once per test run
+    (:func:`shared_folder`)."""
+    from .support.exports import nested_export
+
+    return shared_folder(tmp_path_factory, "nested-export", nested_export)
 
 
 @pytest.fixture
@@ -200,6 +209,23 @@ def contract_config(method: str):
     return tiny(method=method, spec=spec, rounds=2, checkpoint_every=1, eval__every=2, clients__num_clients=5,
                 clients__fraction=0.4, train__local_epochs=1, train__batch_size=64, data__local_split=[0.8, 0.1, 0.1], data__max_test_samples=32,
                 **fedlps)
+
+
+def contract_run(tmp_path_factory, method: str) -> Path:
+    """The embedded engine's run of :func:`contract_config` for ``method``, made once per test
+    run (:func:`shared_folder`; one torch thread): the method contract's reference and the Flower
+    simulation's."""
+    from nefl_zoo.fl.engine import Engine
+
+    def make(folder: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            Engine(contract_config(method), folder).run()
+        finally:
+            torch.set_num_threads(threads)
+
+    return shared_folder(tmp_path_factory, f"contract-{method}", make)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -5,8 +5,11 @@ and the metrics records), settings that survive the saved configuration, what th
 method.
 A new method file is covered here without an edit."""
 
+import json
 import math
 import re
+import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from nefl_zoo.fl.strategy import MethodInfo
 from nefl_zoo.fl.strategy_utils import level_sizes
 from nefl_zoo.slim import compile_spec
 
-from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, crash_in_round, records, same_tensors
+from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, contract_run, crash_in_round, records, same_tensors
 
 torch.set_num_threads(1)
 METHODS = list(registered_methods())
@@ -27,10 +30,20 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_two_rounds_then_a_resume_are_bit_identical(tmp_path, monkeypatch, method):
+def test_two_rounds_then_a_resume_are_bit_identical(tmp_path_factory, tmp_path, monkeypatch, method):
     config = contract_config(method)
-    engine = Engine(config, tmp_path / "straight")
-    result = engine.run()
+    shutil.copytree(contract_run(tmp_path_factory, method), tmp_path / "straight")  # Engine(config, ...).run()
+    straight = records(tmp_path / "straight")
+    crash_in_round(config, tmp_path / "resumed", monkeypatch, 1)
+    engine = Engine(config, tmp_path / "resumed")
+    result = engine.run(resume=True)
+    for name in ("global.safetensors", "clients.safetensors", "server.safetensors"):
+        assert (tmp_path / "straight" / name).exists() == (tmp_path / "resumed" / name).exists(), name
+        if (tmp_path / "straight" / name).exists():
+            assert same_tensors(tmp_path / "straight", tmp_path / "resumed", name), name
+    assert records(tmp_path / "resumed") == straight
+    assert json.dumps(asdict(result)) == json.dumps(json.loads((tmp_path / "straight" / "summary.json").read_text()))
+
     info = engine.strategy.info
     assert isinstance(info, MethodInfo) and info.input_size == (1, 8, 8) and info.num_classes == 10
     assert set(info.levels) <= set(LEVELS) and info.eval_names
@@ -47,17 +60,8 @@ def test_two_rounds_then_a_resume_are_bit_identical(tmp_path, monkeypatch, metho
         assert result.worst == result.acc[info.worst_case] if info.worst_case in result.acc else math.isnan(result.worst)
     assert result.min == min(result.acc.values())
     assert all(engine.strategy.submodel_numel(name) > 0 for name in (*info.levels, *info.eval_names))
-    straight = records(tmp_path / "straight")
     assert [r["round"] for r in straight] == [1, 2] and all(r["clients"] >= 1 and r["rejected"] == 0 for r in straight)
     assert all(set(r["tiers"]) <= set(info.levels) for r in straight)
-
-    crash_in_round(config, tmp_path / "resumed", monkeypatch, 1)
-    Engine(config, tmp_path / "resumed").run(resume=True)
-    for name in ("global.safetensors", "clients.safetensors", "server.safetensors"):
-        assert (tmp_path / "straight" / name).exists() == (tmp_path / "resumed" / name).exists(), name
-        if (tmp_path / "straight" / name).exists():
-            assert same_tensors(tmp_path / "straight", tmp_path / "resumed", name), name
-    assert records(tmp_path / "resumed") == straight
 
     # the settings round-trip through the saved configuration
     saved = resume_config(tmp_path / "straight")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -295,3 +296,53 @@ def test_serve_prints_the_url_and_stops_on_ctrl_c(web, export, unchecked, monkey
     assert served and served[0].startswith("http://127.0.0.1:") and f"at {served[0]}" in output
     assert output.strip().endswith("stopped")
 
+
+
+def test_a_real_nested_export_is_accepted_and_any_other_format_refused(nested_export_dir, tmp_path):
+    manifest = serve.check_export(nested_export_dir)
+    assert manifest["format"] == "nested" and manifest["tiers"]
+    folder = tmp_path / "files"
+    shutil.copytree(nested_export_dir, folder)
+    tiers = [{k: v for k, v in tier.items() if k != "index"} for tier in manifest["tiers"]]  # one file per tier
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "format": "files", "tiers": tiers}))
+    with pytest.raises(serve.ServeError, match=r"format 'files'; the page runs one nested file per precision"):
+        serve.check_export(folder)
+
+
+def test_inside_takes_only_plain_paths_to_files_under_the_base(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "b.onnx").write_bytes(b"x")
+    assert serve.inside(tmp_path, "a/b.onnx") == (tmp_path / "a" / "b.onnx").resolve()
+    for relative in ("a//b.onnx", "/a/b.onnx", "a/./b.onnx", "a/b.onnx/", "", "a", "a/../a/b.onnx", "a/.b"):
+        assert serve.inside(tmp_path, relative) is None, relative
+
+
+def test_an_ipv6_host_listens_on_ipv6(served, unchecked):
+    try:
+        httpd = serve.make_server(served / "export", host="::1", port=0, samples=1, web=served / "web")
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    try:
+        assert httpd.address_family == socket.AF_INET6 and serve.url_of(httpd).startswith("http://[::1]:")
+    finally:
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("error, shown", [(ValueError(""), "(ValueError)"), (OSError("first line\nsecond"), "(first line)")])
+def test_a_dataset_that_fails_to_load_is_named_with_its_first_line(monkeypatch, error, shown):
+    def failing(*args):
+        raise error
+
+    monkeypatch.setattr(serve, "_test_images", failing)
+    samples = serve.sample_images({"input": {"shape": [1, 4, 4], "dataset": "digits"}}, 2)
+    assert samples["random"] is True
+    assert samples["source"].endswith(f"no labels: the digits dataset cannot be loaded here {shown}")
+
+
+@pytest.mark.parametrize("host, warned", [("localhost", False), ("127.0.0.1", False), ("0.0.0.0", True)])
+def test_only_a_host_other_machines_reach_is_warned_about(web, export, unchecked, monkeypatch, host, warned):
+    monkeypatch.setattr(serve, "WEB", web)
+    monkeypatch.setattr(serve.Server, "serve_forever", lambda self, poll_interval=0.5: (_ for _ in ()).throw(KeyboardInterrupt))
+    code, output = invoke(export, "--host", host, "--port", 0)
+    assert code == 0, output
+    assert (f"warning: listening on {host}: other machines can reach the page" in output) == warned

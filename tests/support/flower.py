@@ -13,6 +13,7 @@ registry without an edit here.
 from __future__ import annotations
 
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -20,13 +21,12 @@ import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 
-from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.flower.client import app as client_app
 from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.fl.secagg import SecureAggregation
 from nefl_zoo.fl.strategy import ClientInfo
 
-from ..conftest import contract_config
+from ..conftest import contract_config, contract_run
 
 CLIENT_STATES = "clients.safetensors"
 
@@ -61,7 +61,7 @@ def simulation(tmp_path_factory) -> Path:
         runs = []
         for method in registered_methods():
             config = contract_config(method)
-            Engine(config, out / f"embedded-{method}").run()
+            shutil.copytree(contract_run(tmp_path_factory, method), out / f"embedded-{method}")
             runs.append(SimulatedRun(config, out / f"flower-{method}", observer=OBSERVED if method == "nefl" else None))
             if (out / f"embedded-{method}" / CLIENT_STATES).exists():
                 resumed = out / f"flower-{method}-resumed"
