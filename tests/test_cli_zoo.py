@@ -149,7 +149,19 @@ def test_specs_lists_an_invalid_spec_by_name(tmp_path, monkeypatch):
     (tmp_path / "resnet20" / "broken.yaml").write_text("model: resnet20\ntiers: []\n")
     monkeypatch.setenv("NEFL_ZOO_SPECS", str(tmp_path))
     rows = [line for line in invoke("specs").stdout.splitlines() if "broken" in line]
-    assert len(rows) == 1 and "resnet20/broken" in rows[0] and "invalid" in rows[0]
+    assert len(rows) == 1 and [cell.strip() for cell in rows[0].split("│")[1:3]] == ["resnet20/broken", "invalid"]
+
+
+def test_build_latency_ms_rounds_channels_as_asked(monkeypatch):
+    import nefl_zoo.auto
+
+    def refuse(model, budget_ms, batch, threads, mode, channel_multiple):  # what the search was asked
+        raise ValueError(f"{model} {budget_ms:g} ms, batch {batch}, {threads} thread, {mode}, multiple {channel_multiple}")
+
+    monkeypatch.setattr(nefl_zoo.auto, "latency_tier", refuse)
+    result = invoke("build", "resnet20", "--latency-ms", 5, "--channel-multiple", 8, "--batch", 2)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --latency-ms: resnet20 5 ms, batch 2, 1 thread, balanced, multiple 8"
 
 
 def test_build_says_when_the_ratio_cannot_be_reached():

@@ -318,10 +318,12 @@ def test_inside_takes_only_plain_paths_to_files_under_the_base(tmp_path):
 
 
 def test_an_ipv6_host_listens_on_ipv6(served, unchecked):
-    try:
-        httpd = serve.make_server(served / "export", host="::1", port=0, samples=1, web=served / "web")
+    try:  # the machine's own IPv6 loopback, probed without the code under test
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
     except OSError as exc:
         pytest.skip(f"no IPv6 loopback here: {exc}")
+    httpd = serve.make_server(served / "export", host="::1", port=0, samples=1, web=served / "web")
     try:
         assert httpd.address_family == socket.AF_INET6 and serve.url_of(httpd).startswith("http://[::1]:")
     finally:
