@@ -18,7 +18,7 @@ LONGEST = ["test_flower_deployment.py", "test_method_contract_flower.py", "test_
 
 
 def pytest_collection_modifyitems(items):
-    """Longest files first, so the two xdist workers (``--dist loadfile --no-loadscope-reorder``)
+    """Longest files first, so the xdist workers (``--dist loadfile --no-loadscope-reorder``)
     end together: the files of ``LONGEST`` in its order (the Flower deployment test first: minutes
     of process starts and Flower's polls, in one test), then the others by their number of tests."""
     files: dict[str, list] = {}

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import warnings
 
 import pytest
 import timm
@@ -7,6 +8,7 @@ import torch
 import torchvision
 
 from nefl_zoo.models import (
+    ModelArgsError,
     ModelInfo,
     UnknownModelError,
     create_model,
@@ -43,12 +45,40 @@ def test_registry_keeps_metadata_and_warns_on_a_duplicate_name():
     assert info.module == "nefl_zoo.models.resnet"
     assert info.summary == "Wide-ResNet-101-2 (bottleneck inner width x2), torchvision-compatible."
     original = _MODELS["resnet20"]  # restored after the test (conftest's _model_registry)
-    with pytest.warns(UserWarning, match="model 'resnet20' from tests.test_models replaces the one from nefl_zoo.models.resnet"):
+    with pytest.warns(UserWarning, match="model 'resnet20' from tests.test_models replaces the one from nefl_zoo.models.resnet") as replaced:
         @register_model
         def resnet20(**kwargs):
             """Another resnet20."""
             return original.fn(**kwargs)
     assert model_info("resnet20").summary == "Another resnet20."
+    assert replaced[0].filename == __file__  # the warning points at the registering code
+
+
+def test_register_model_with_declared_arguments_checks_them_and_keeps_the_first_doc_line():
+    from nefl_zoo.models.args import ModelArgs
+
+    @register_model(args=ModelArgs)  # the base arguments only: no img_size, which resnet20 takes
+    def tiny_checked_resnet(**kwargs):
+        """A checked resnet20.
+
+        Its second paragraph is not the summary."""
+        return create_model("resnet20", **kwargs)
+
+    assert tiny_checked_resnet.__name__ == "tiny_checked_resnet"  # the decorator returns the function
+    assert model_info("tiny_checked_resnet") == ModelInfo("tiny_checked_resnet", tiny_checked_resnet, __name__,
+                                                          "A checked resnet20.", ModelArgs)
+    assert create_model("tiny_checked_resnet", num_classes=3).num_classes == 3
+    with pytest.raises(ModelArgsError, match=r"^img_size: unknown argument \(this model takes num_classes, in_chans, "
+                                             r"gamma_w, channel_multiple, steps\)$"):
+        create_model("tiny_checked_resnet", img_size=8)
+
+
+def test_the_default_channel_multiple_is_the_declared_one_and_1_without_declared_arguments():
+    @register_model
+    def undeclared_resnet(**kwargs):
+        return create_model("resnet20", **kwargs)
+
+    assert [registry.default_channel_multiple(m) for m in ("mobilenet_v2", "resnet20", "undeclared_resnet")] == [8, 1, 1]
 
 
 def test_a_prefix_is_resolved_by_the_source_a_higher_layer_registers(monkeypatch):
@@ -61,7 +91,10 @@ def test_a_prefix_is_resolved_by_the_source_a_higher_layer_registers(monkeypatch
             raise UnknownModelError(f"unknown model {name!r}: no such toy")
         return ModelInfo(name, lambda **kwargs: create_model("resnet20", **kwargs), __name__, "A toy.")
 
-    register_source("toy", toy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same resolver again: no warning
+        register_source("toy", toy)
+        register_source("toy", toy)
     assert is_model("toy:small") and not is_model("toy:big") and not is_model("keras:resnet50")
     assert create_model("toy:small", num_classes=3).num_classes == 3
     with pytest.raises(UnknownModelError, match=r"^unknown model 'toy:big': no such toy$"):
@@ -69,6 +102,10 @@ def test_a_prefix_is_resolved_by_the_source_a_higher_layer_registers(monkeypatch
     with pytest.raises(UnknownModelError, match=r"^unknown model 'keras:resnet50'; available: .*resnet20.*, "
                                                 r"timm:NAME, torchvision:NAME, toy:NAME$"):
         model_info("keras:resnet50")
+    available = str(pytest.raises(UnknownModelError, model_info, "keras:resnet50").value).split("; available: ")[1]
+    assert available.split(", ")[: len(list_models())] == list_models()
+    with pytest.warns(UserWarning, match=r"^model source 'toy' from tests.test_models replaces the one from tests.test_models$"):
+        register_source("toy", lambda name: toy(name))
 
 
 def test_library_names_work_from_the_model_registry_alone_in_a_fresh_process():
@@ -178,3 +215,21 @@ def test_bad_pretrained_inputs(tmp_path):
     wrong = create_model("resnet20", gamma_w=0.25).state_dict()
     with pytest.raises(PretrainedError, match=r"conv1.weight: pretrained shape \(8, 3, 3, 3\)"):
         load_pretrained(m, wrong)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, message",
+    [
+        ({"stem": "cifar"}, "stem", "unknown argument (this model takes num_classes, in_chans, gamma_w, channel_multiple, steps, img_size)"),
+        ({"num_classes": 0}, "num_classes", "Input should be greater than or equal to 1"),
+        ({"gamma_w": 1.5}, "gamma_w", "Input should be less than or equal to 1"),
+    ],
+)
+def test_bad_model_arguments_name_the_argument_and_what_it_takes(kwargs, field, message):
+    with pytest.raises(ModelArgsError) as refused:
+        create_model("resnet20", **kwargs)
+    assert (refused.value.field, refused.value.message, str(refused.value)) == (field, message, f"{field}: {message}")
+
+
+def test_a_model_arguments_error_without_a_field_is_its_message():
+    assert str(ModelArgsError("", "the arguments contradict each other")) == "the arguments contradict each other"
