@@ -176,3 +176,74 @@ def test_unknown_hub_names_are_one_line():
         load_pretrained(create_model("resnet20"), "torchvision:nope")
     with pytest.raises(PretrainedError, match="timm:nope_x: no timm weights"):
         load_pretrained(create_model("resnet20"), "timm:nope_x")
+
+
+def test_refusals_name_what_torch_refused(hostile, tmp_path):
+    path, _ = hostile
+    with pytest.raises(PretrainedError) as refused:
+        read_weights(path)
+    assert str(refused.value) == (f"{path}: refused: it holds Python objects besides tensors (it names getattr); "  # how a
+                                  "give a state dict of tensors (.pth saved from model.state_dict(), or .safetensors)")  # method pickles
+    odd = tmp_path / "odd.pt"  # a bare pickle with an opcode the weights-only unpickler does not take (INST)
+    odd.write_bytes(b"\x80\x02(i__builtin__\nlist\n.")
+    with pytest.raises(PretrainedError, match=r"^.*odd.pt: not a readable PyTorch weights file \(Unsupported operand 105\)$"):
+        read_weights(odd)
+
+
+def test_a_file_source_is_named_in_load_errors(tmp_path):
+    path = tmp_path / "partial.pth"
+    torch.save({"conv1.weight": torch.zeros(16, 3, 3, 3)}, path)
+    with pytest.raises(PretrainedError, match=rf"^{path}: pretrained weights lack 'bn1.weight' \(is this the right model\?\)$"):
+        load_pretrained(create_model("resnet20"), path)
+
+
+def test_a_torchvision_name_is_everything_after_the_prefix():
+    with pytest.raises(PretrainedError, match=r"^torchvision:resnet18:v2: no torchvision weights for 'resnet18:v2' "):
+        load_pretrained(create_model("resnet20"), "torchvision:resnet18:v2")
+
+
+def test_an_absent_torchvision_file_is_downloaded_into_the_hub_cache(hub, tmp_path, monkeypatch):
+    reference = torchvision.models.resnet18().state_dict()
+    good = tmp_path / "good.pth"
+    torch.save(reference, good)
+    name = publish(monkeypatch, good.read_bytes())
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda url, dst, hash_prefix=None, progress=True:
+                        pathlib.Path(dst).write_bytes(good.read_bytes()))
+    model = create_model("resnet18", stem="imagenet", num_classes=1000)
+    load_pretrained(model, "torchvision:resnet18")
+    assert (hub / name).read_bytes() == good.read_bytes()
+    assert torch.equal(model.state_dict()["fc.weight"], reference["fc.weight"])
+
+
+def test_timm_weights_stored_outside_lfs_are_checked_against_their_git_blob_hash(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    import timm
+
+    from nefl_zoo.models.pretrained import _read_state_dict
+
+    repo = timm.models.get_pretrained_cfg("vit_tiny_patch16_224").hf_hub_id
+    path = tmp_path / "w.safetensors"
+    save_file({"cls_token": torch.ones(1, 1, 4)}, str(path))
+    data = path.read_bytes()
+    for folder, blob_of in [("good", data), ("tampered", b"the file that was published")]:
+        plant_hf(tmp_path / folder, repo, data, hashlib.sha1(b"blob %d\0" % len(blob_of) + blob_of).hexdigest())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "good"))
+    assert torch.equal(_read_state_dict("timm:vit_tiny_patch16_224")["cls_token"], torch.ones(1, 1, 4))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "tampered"))
+    with pytest.raises(PretrainedError, match=r"git-blob [0-9a-f]{40} does not match the published"):
+        _read_state_dict("timm:vit_tiny_patch16_224")
+
+
+def test_timm_weights_without_a_network_name_the_problem(tmp_path, monkeypatch):
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+
+    def offline(repo, filename, revision=None):
+        raise OSError("no network here\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(PretrainedError, match=r"^timm:vit_tiny_patch16_224: cannot get timm/vit_tiny_patch16_224\.\S+ from "
+                                             r"the Hugging Face hub \(no network here\); give a local file$"):
+        load_pretrained(create_model("resnet20"), "timm:vit_tiny_patch16_224")

@@ -103,10 +103,10 @@ def _check_tensors(state: Mapping, source: str) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
-def read_weights(path: str | Path, expected_hash: tuple[str, str] | None = None, safetensors: bool | None = None) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, expected_hash: tuple[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a weights file, read once, hash-checked (``expected_hash``, see
-    :func:`_check_hash`) and decoded from those bytes as tensors only. ``safetensors``: the
-    format (default: by the ``.safetensors`` suffix)."""
+    :func:`_check_hash`) and decoded from those bytes as tensors only: safetensors by the
+    ``.safetensors`` suffix, else PyTorch's format."""
     path = Path(path)
     if not path.is_file():
         raise PretrainedError(f"{path}: no such weights file (give a .pth/.pt/.safetensors file)")
@@ -115,7 +115,7 @@ def read_weights(path: str | Path, expected_hash: tuple[str, str] | None = None,
     except OSError as exc:
         raise PretrainedError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     _check_hash(data, path, expected_hash)
-    state = _decode(data, path, path.suffix == ".safetensors" if safetensors is None else safetensors)
+    state = _decode(data, path, path.suffix == ".safetensors")
     return _check_tensors(state, str(path))
 
 
@@ -196,7 +196,7 @@ def _read_state_dict(source: str | Path) -> dict[str, torch.Tensor]:
             path, expected = _hub_file(cfg.url, text)
         else:
             raise PretrainedError(f"{text}: timm publishes these weights in a format only timm reads; give a local file")
-        return read_weights(path, expected, safetensors=path.name.endswith(".safetensors"))
+        return read_weights(path, expected)  # the cache's file name keeps its suffix (blobs are linked)
     return read_weights(source)
 
 
