@@ -6,6 +6,7 @@ release never leaves another process locking a file no one else sees."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import threading
@@ -124,3 +125,68 @@ def test_the_run_directory_lock_keeps_its_message(tmp_path):
                                   "wait for it to finish or stop it")
     holder.release()
     assert (tmp_path / "run.lock").exists()  # a run directory's lock file stays
+
+
+@pytest.mark.parametrize("written, shown", [(b"garbage\n", "pid unknown"), (b"\xff\xfe12\n", "pid unknown"), (b"4242\n", "pid 4242")])
+def test_a_holder_that_is_not_a_pid_is_an_unknown_one(tmp_path, written, shown):
+    holder = DirLock(tmp_path)
+    holder.acquire()
+    os.truncate(holder.path, 0)
+    (holder.path).write_bytes(written)  # what another writer of the lock file left in it
+    with pytest.raises(LockedError, match=rf"^{re.escape(str(tmp_path))}: another nefl-zoo process \({shown}\) is using"):
+        DirLock(tmp_path).acquire()
+    holder.release()
+
+
+def refuse_writing(monkeypatch, errno_value: int) -> None:
+    """``os.open`` of a lock file for writing fails as on a directory this process cannot write."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if str(path).endswith(".lock") and flags & os.O_RDWR:
+            raise OSError(errno_value, os.strerror(errno_value), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+@pytest.mark.parametrize("errno_value", [errno.EACCES, errno.EPERM, errno.EROFS])
+def test_a_reader_of_a_directory_it_cannot_write_locks_the_writers_file_if_there_is_one(tmp_path, monkeypatch, errno_value):
+    refuse_writing(monkeypatch, errno_value)
+    reader = DirLock(tmp_path)
+    reader.acquire(shared=True)
+    assert not reader.held and not reader.path.exists()  # no writer ever locked it: nothing to lock, nothing made
+    monkeypatch.undo()
+    writer = DirLock(tmp_path)
+    writer.acquire()
+    writer.release()
+    refuse_writing(monkeypatch, errno_value)
+    reader.acquire(shared=True)
+    assert reader.held and reader.path.read_text() == f"{os.getpid()}\n"  # locked read-only: the writer's pid kept
+    monkeypatch.undo()
+    with pytest.raises(LockedError):
+        DirLock(tmp_path).acquire()  # a writer waits for the reader
+    reader.release()
+
+
+def test_a_writer_that_cannot_open_the_lock_file_is_one_line(tmp_path, monkeypatch):
+    refuse_writing(monkeypatch, errno.EACCES)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'run.lock'))}: cannot open the lock file \(Permission "
+                                         r"denied\); the run directory must be writable$"):
+        DirLock(tmp_path).acquire()
+
+
+def test_fsync_tolerates_a_directory_the_file_system_cannot_fsync_but_never_a_file(tmp_path, monkeypatch):
+    from nefl_zoo.files import fsync_path
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x")
+
+    def fsync(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsync_path(tmp_path)  # some file systems refuse to fsync a directory: its entries are flushed anyway
+    with pytest.raises(OSError) as failed:
+        fsync_path(data)
+    assert (failed.value.errno, failed.value.filename) == (errno.EINVAL, str(data))
