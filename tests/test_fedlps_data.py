@@ -4,6 +4,7 @@ one dataset whose tasks never share images, and one FedLPS round on them from a 
 pre-trains on a held-out split of them (the default ``pretrained: public``, read from the folders)."""
 
 import pickle
+import re
 import struct
 
 import numpy as np
@@ -205,3 +206,42 @@ def test_dataset_labels_reads_labels_without_loading_an_image():
     assert dataset_labels(nested).tolist() == [12, 13]
     assert dataset_labels(Subset(Unloadable(labels=[10, 11, 12, 13]), [])).tolist() == []
     assert dataset_labels(Plain()).tolist() == [2, 1, 0]  # no attribute: read item by item
+
+
+# -- one dataset's transform and reader ------------------------------------------------------------
+
+def test_each_dataset_is_converted_to_the_models_channels_with_its_own_statistics():
+    from PIL import Image
+
+    from nefl_zoo.fl.multidata import _transform
+
+    colour = Image.fromarray(np.broadcast_to(np.array([30, 60, 240], np.uint8), (4, 4, 3)).copy())
+    grey = Image.fromarray(np.full((4, 4), 51, np.uint8))
+    mean, std = sum((0.4914, 0.4822, 0.4465)) / 3, sum((0.2470, 0.2435, 0.2616)) / 3  # CIFAR-10's, averaged for one channel
+    torch.testing.assert_close(_transform("cifar10", (1, 4, 4), False)(colour), torch.full((1, 4, 4), (110 / 255 - mean) / std))
+    expected = torch.full((4, 4), (51 / 255 - 0.1307) / 0.3081).expand(3, 4, 4)  # MNIST's grey repeated to three channels
+    torch.testing.assert_close(_transform("mnist", (3, 4, 4), False)(grey), expected)
+    svhn = torch.tensor([(v / 255 - m) / s for v, m, s in zip((30, 60, 240), (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))])
+    torch.testing.assert_close(_transform("svhn", (3, 2, 2), False)(colour), svhn.view(3, 1, 1).expand(3, 2, 2))  # resized to 2x2
+
+
+@pytest.mark.parametrize("name, padding, flip", [("cifar10", 4, True), ("svhn", 2, False), ("mnist", 2, False)])
+def test_training_augmentation_is_a_padded_crop_and_cifars_flip(name, padding, flip):
+    from torchvision.transforms import v2
+
+    from nefl_zoo.fl.multidata import _transform
+
+    steps = _transform(name, (3, 8, 8), True).transforms
+    crops = [s for s in steps if isinstance(s, v2.RandomCrop)]
+    assert len(crops) == 1 and crops[0].size == (8, 8) and crops[0].padding == [padding] * 4
+    assert any(isinstance(s, v2.RandomHorizontalFlip) for s in steps) == flip
+    assert not any(isinstance(s, (v2.RandomCrop, v2.RandomHorizontalFlip)) for s in _transform(name, (3, 8, 8), False).transforms)
+
+
+@pytest.mark.parametrize("name, expected", [("svhn", "train_32x32.mat and test_32x32.mat"),
+                                            ("cifar10", "cifar-10-batches-py/data_batch_1..5 and test_batch")])
+def test_a_missing_dataset_names_the_files_it_expects(tmp_path, name, expected):
+    from nefl_zoo.fl.multidata import _read
+
+    with pytest.raises(FileNotFoundError, match=rf"^{name} not found in {tmp_path}: expected {re.escape(expected)} \("):
+        _read(name, tmp_path, True)
