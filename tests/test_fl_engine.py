@@ -155,3 +155,16 @@ def test_depthfl_holds_its_prefix_and_the_exits_up_to_it_and_evaluates_the_ensem
     data = load_data(cfg.data, cfg.data_root(), method.info.input_size, 4, 0)
     acc = method.evaluate(1, method.init_global_state(), data)
     assert {"running/ensemble", "recompute/ensemble", "g1", "recompute/g1"} <= set(acc) and "ensemble" not in acc
+
+
+def test_bn_recompute_batches_are_the_first_of_one_shuffled_epoch_on_the_placement():
+    from nefl_zoo.fl.batches import shuffled_batches
+    from nefl_zoo.fl.bn import recompute_batches
+    from nefl_zoo.fl.device import Placement, placed
+
+    data = TensorDataset(torch.arange(10.0).view(10, 1), torch.arange(10))
+    first = [y.tolist() for _, y in shuffled_batches(data, 4, seed=3)]  # one epoch: batches of 4, 4, 2
+    assert [y.tolist() for _, y in recompute_batches(data, 4, 3, batches=2)] == first[:2]
+    assert [y.tolist() for _, y in recompute_batches(data, 4, 3, batches=5)] == first  # never a second epoch
+    with placed(Placement(torch.device("meta"))):
+        assert {x.device.type for x, _ in recompute_batches(data, 4, 3, batches=2)} == {"meta"}
