@@ -168,3 +168,44 @@ def test_bn_recompute_batches_are_the_first_of_one_shuffled_epoch_on_the_placeme
     assert [y.tolist() for _, y in recompute_batches(data, 4, 3, batches=5)] == first  # never a second epoch
     with placed(Placement(torch.device("meta"))):
         assert {x.device.type for x, _ in recompute_batches(data, 4, 3, batches=2)} == {"meta"}
+
+
+def test_only_a_zero_padded_square_crop_is_reproduced_on_resident_images():
+    from torchvision.transforms import v2
+
+    from nefl_zoo.fl.batches import _crop_padding
+
+    assert _crop_padding(None) == 0 and _crop_padding(v2.RandomCrop(8, padding=2)) == 2
+    assert _crop_padding(v2.RandomCrop(8, padding=[3, 3, 3, 3], fill=0)) == 3
+    for other in (v2.RandomCrop(8, padding=2, padding_mode="reflect"), v2.RandomCrop(8, padding=2, fill=1),
+                  v2.RandomCrop((8, 6), padding=2), v2.RandomCrop(8, padding=[1, 2]), v2.RandomCrop(8, pad_if_needed=True),
+                  v2.RandomHorizontalFlip()):
+        assert _crop_padding(other) is None, other
+
+
+def test_in_memory_images_are_batched_without_a_dataloader_unless_their_transform_needs_one(monkeypatch):
+    import nefl_zoo.fl.batches as batches
+    from nefl_zoo.fl.data import TensorImages
+
+    images = TensorImages(torch.arange(48.0).view(12, 1, 2, 2), torch.arange(12).numpy())
+    shifted = TensorImages(images.images, images.labels.numpy(), transform=lambda x: x + 100)
+    expected = [x for x, _ in batches.DataLoader(shifted, batch_size=5)]
+    real_loader = batches.DataLoader
+
+    def no_loader(*args, **kwargs):
+        raise AssertionError("a DataLoader for images the module batches itself")
+
+    monkeypatch.setattr(batches, "DataLoader", no_loader)
+    subset = torch.utils.data.Subset(images, [7, 2, 9])
+    assert [y.tolist() for _, y in batches.ordered_batches(subset, 2)] == [[7, 2], [9]]
+    assert [y.tolist() for _, y in batches.ordered_batches(images, 5)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+    monkeypatch.setattr(batches, "DataLoader", real_loader)
+    got = [x for x, _ in batches.ordered_batches(shifted, 5)]  # a transform it cannot reproduce: the DataLoader's
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_dataloader_batches_move_to_the_device_too():
+    from nefl_zoo.fl.batches import shuffled_batches
+
+    data = TensorDataset(torch.zeros(6, 1, 2, 2), torch.arange(6))  # not in-memory images: the DataLoader path
+    assert {(x.device.type, y.device.type) for x, y in shuffled_batches(data, 4, 0, 1, "meta")} == {("meta", "meta")}
