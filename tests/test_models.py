@@ -232,3 +232,51 @@ def test_bad_model_arguments_name_the_argument_and_what_it_takes(kwargs, field, 
 
 def test_a_model_arguments_error_without_a_field_is_its_message():
     assert str(ModelArgsError("", "the arguments contradict each other")) == "the arguments contradict each other"
+
+
+def test_the_package_root_exports_its_names_lazily_and_nest_stays_the_function():
+    import nefl_zoo
+    import nefl_zoo.nest.plan  # noqa: F401 - importing the subpackage does not replace the exported function
+    import nefl_zoo.slim
+    import nefl_zoo.spec
+
+    assert nefl_zoo.__all__ == ["NestError", "SpecError", "SubmodelSpec", "TierSpec", "auto_tier", "build_submodel",
+                                "compile_spec", "create_model", "extract", "list_models", "load_pretrained",
+                                "load_spec", "nest", "parse_spec", "register_model", "scatter_"]
+    assert nefl_zoo.create_model is create_model and nefl_zoo.compile_spec is nefl_zoo.slim.compile_spec
+    assert nefl_zoo.SpecError is nefl_zoo.spec.SpecError
+    from nefl_zoo.nest import nest
+
+    assert nefl_zoo.nest is nest and callable(nefl_zoo.nest)
+    with pytest.raises(AttributeError, match=r"^module 'nefl_zoo' has no attribute 'nope'$"):
+        nefl_zoo.nope  # noqa: B018
+    nefl_zoo.nest = sys.modules["nefl_zoo.nest"]  # what the import system does: ignored for an exported name
+    assert nefl_zoo.nest is nest
+    nefl_zoo.extra_setting = sys.modules["nefl_zoo.nest"]  # any other name is set as usual
+    assert nefl_zoo.extra_setting is sys.modules["nefl_zoo.nest"]
+    del nefl_zoo.extra_setting
+
+
+def test_declared_loaders_run_once_in_order_and_a_failing_one_stays_pending():
+    from nefl_zoo import plugins
+
+    ran, failures = [], [RuntimeError("not yet")]
+
+    def flaky():
+        if failures:
+            raise failures.pop()
+        ran.append("flaky")
+
+    try:
+        plugins.declare("test topic", lambda: ran.append("first"))
+        plugins.declare("test topic", flaky)
+        plugins.declare("test topic", lambda: ran.append("last"))
+        with pytest.raises(RuntimeError, match="not yet"):
+            plugins.load("test topic")
+        assert ran == ["first"]
+        plugins.load("test topic")
+        plugins.load("test topic")
+        plugins.load("another topic")  # nothing declared: nothing to do
+        assert ran == ["first", "flaky", "last"]
+    finally:
+        plugins._PENDING.pop("test topic", None)
