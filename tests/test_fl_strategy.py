@@ -210,3 +210,25 @@ def test_client_and_server_state_survive_a_crash_and_resume(tmp_path, monkeypatc
         assert json.loads((tmp_path / run / "checkpoint.json").read_text())["round"] == 3
     assert same_tensors(tmp_path / "straight", tmp_path / "resumed")
     assert same_tensors(tmp_path / "straight", tmp_path / "resumed", "clients.safetensors")
+
+
+BUILTIN_METHODS = ["depthfl", "fedavg", "fedavg_min", "fedavg_full", "fedavgm", "fedgh", "fedlps", "fedprox", "fjord",
+                   "heterofl", "nefl"]  # by module name, then in each module's registration order
+
+
+def test_the_builtin_methods_are_found_in_a_fresh_process_in_module_order():
+    import subprocess
+    import sys
+
+    code = ("from nefl_zoo.fl.registry import registered_methods, _BUILTIN_MODULES\n"
+            "print(','.join(registered_methods())); print(','.join(_BUILTIN_MODULES))")
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert lines[0].split(",") == BUILTIN_METHODS
+    assert lines[1].split(",") == [f"nefl_zoo.fl.methods.{m}" for m in
+                                   ("depthfl", "fedavg", "fedavgm", "fedgh", "fedlps", "fedprox", "fjord", "heterofl", "nefl")]
+
+
+def test_an_unknown_method_lists_the_known_ones():
+    with pytest.raises(KeyError) as unknown:
+        registry.get_method("fedsgd")
+    assert unknown.value.args[0] == f"unknown method 'fedsgd'; one of {', '.join(BUILTIN_METHODS)}"
