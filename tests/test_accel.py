@@ -53,6 +53,27 @@ def _round(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 # -- devices --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus, mps", [(2, False), (0, True), (0, False)])
+def test_device_names_resolve_against_what_the_machine_has(monkeypatch, gpus, mps):
+    """The machine faked: ``gpus`` CUDA GPUs, Apple's MPS or not (no device is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert resolve_device("auto") == torch.device("cuda" if gpus else "mps" if mps else "cpu")
+    if gpus:
+        assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cuda") == torch.device("cuda")
+        with pytest.raises(DeviceError, match=r"^cuda:2 asked for, but this machine has 2 CUDA GPU\(s\), cuda:0 to cuda:1$"):
+            resolve_device("cuda:2")
+    else:
+        with pytest.raises(DeviceError, match=r"^cuda asked for, but this machine has no CUDA GPU \(use auto or cpu\)$"):
+            resolve_device("cuda")
+    if mps:
+        assert resolve_device("mps") == torch.device("mps")
+    else:
+        with pytest.raises(DeviceError, match=r"^mps asked for, but Apple's MPS is not available on this machine \(use auto or cpu\)$"):
+            resolve_device("mps")
+
+
 def test_device_names_resolve_and_an_absent_device_is_refused():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type in ("cuda", "mps", "cpu")
