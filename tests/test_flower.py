@@ -6,6 +6,7 @@ Every method's simulation against the embedded engine, and resume with per-clien
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,3 +140,81 @@ def test_cli_train_engine_flower_runs_simulate_and_gives_the_embedded_run_and_it
     assert records(tmp_path / "flower") == records(tmp_path / "embedded")
     bad = runner.invoke(app, [*args, "--engine", "ray", "--out", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "ray" in bad.output and not (tmp_path / "bad").exists()
+
+
+class ScriptedStrategy:
+    """The client hooks of a method, scripted: each records what it was given and returns ``reply``."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def train(self, instruction, data, client_state):
+        self.calls.append(("train", instruction.level, data, dict(client_state)))
+        return self.reply
+
+    def evaluate_client(self, instruction, data, client_state):
+        self.calls.append(("evaluate", instruction.level, data, dict(client_state)))
+        return self.reply
+
+
+def serve(kind, reply, node_config=None, secure=None):
+    """One ``kind`` message for run ``r`` to a node set up for it, its method scripted."""
+    from flwr.app import ConfigRecord
+
+    from nefl_zoo.fl.device import Placement
+    from nefl_zoo.fl.flower import client as flower_client
+    from nefl_zoo.fl.flower.records import instruction_content
+    from nefl_zoo.fl.strategy import Instruction
+
+    strategy = ScriptedStrategy(reply)
+    data = SimpleNamespace(client_dataset=lambda p: f"train split {p}", client_test=lambda p: f"test split {p}")
+    context = Context(run_id=1, node_id=7, node_config=node_config or {"partition-id": 2, "num-partitions": 4},
+                      state=RecordDict({flower_client.RUNS: ConfigRecord({"r": "{}"})}), run_config={})
+    content = instruction_content(Instruction({}, {"seed": 1}, "g0.5"), "r", {"extractor": torch.ones(2)})
+    if secure is not None:
+        content[flower_client.SECURE] = secure
+    message = Message(content, 7, kind)
+    built = (strategy, data, Placement())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flower_client, "_built", lambda config_json, ctx: built)
+        return flower_client._serve(kind, message, context), strategy
+
+
+def test_an_evaluate_message_runs_the_clients_evaluation_on_its_own_test_split(server_identity):
+    from nefl_zoo.fl.strategy import Reply
+
+    answer, strategy = serve("evaluate", Reply({}, {"accuracy": 0.5}, num_samples=3))
+    assert [(kind, level, data) for kind, level, data, _ in strategy.calls] == [("evaluate", "g0.5", "test split 2")]
+    assert torch.equal(strategy.calls[0][3]["extractor"], torch.ones(2))  # the client's state, read
+    reply, state = read_reply(answer)
+    assert (reply.metrics, reply.num_samples, state) == ({"accuracy": 0.5}, 3, None)  # no state comes back from an evaluation
+    answer, strategy = serve("train", Reply({}, {"loss": 1.0}, num_samples=3))
+    assert strategy.calls[0][:3] == ("train", "g0.5", "train split 2") and set(read_reply(answer)[1]) == {"extractor"}
+
+
+def test_a_client_hook_that_reports_an_error_is_an_error_reply_and_a_node_without_a_partition_is_refused(server_identity):
+    from flwr.common.constant import ErrorCode
+
+    from nefl_zoo.fl.strategy import Reply
+
+    answer, _ = serve("train", Reply({}, error="out of memory"))
+    assert answer.has_error() and (answer.error.code, answer.error.reason) == (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "out of memory")
+    with pytest.raises(ValueError, match=r"^this node's node_config has no partition-id \(flower-supernode --node-config "
+                                         r"'partition-id=0 num-partitions=N'\)$"):
+        serve("train", Reply({}), node_config={"num-partitions": 4})
+
+
+def test_a_nodes_own_data_root_device_and_threads_apply_to_its_runs(monkeypatch):
+    from nefl_zoo.fl.flower import client as flower_client
+
+    asked = []
+    monkeypatch.setattr(flower_client, "_method", lambda *args: asked.append(args))
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "data-root": "/data/node7", "device": "cpu", "threads": 2},
+                      state=RecordDict(), run_config={})
+    try:
+        flower_client._built("{}", context)
+        assert asked == [("{}", "/data/node7", "cpu")] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    flower_client._built("{}", Context(run_id=1, node_id=8, node_config={"partition-id": 1}, state=RecordDict(), run_config={}))
+    assert asked[1] == ("{}", "", "")  # the run configuration's own data root and device
