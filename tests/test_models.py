@@ -280,3 +280,26 @@ def test_declared_loaders_run_once_in_order_and_a_failing_one_stays_pending():
         assert ran == ["first", "flaky", "last"]
     finally:
         plugins._PENDING.pop("test topic", None)
+
+
+def test_the_vit_defaults_are_vit_b_16():
+    from nefl_zoo.models.vit import VisionTransformer
+
+    with torch.device("meta"):
+        vit = VisionTransformer()
+    assert len(vit.blocks) == 12 and vit.blocks[0].attn.num_heads == 12 and vit.num_features == 768
+    assert vit.default_cfg["input_size"] == (3, 224, 224) and vit.head.out_features == 1000
+
+
+def test_a_vit_narrowed_by_heads_keeps_whole_heads_rounded_to_the_multiple_and_slices_q_k_v_apart():
+    from nefl_zoo.models.vit import VisionTransformer
+
+    args = dict(img_size=16, patch_size=8, embed_dim=64, depth=1, num_heads=8, num_classes=3, width="heads")
+    full = VisionTransformer(**args)
+    slim = VisionTransformer(**args, gamma_w=0.3, channel_multiple=4)  # 8 * sqrt(0.3) = 4.4 heads: 4, a multiple of 4
+    assert slim.blocks[0].attn.num_heads == 4 and VisionTransformer(**args, gamma_w=0.3).blocks[0].attn.num_heads == 5
+    assert slim.blocks[0].attn.head_dim == 8 and slim.num_features == 64  # whole heads, the whole embedding
+    key = "blocks.0.attn.qkv.weight"
+    rows = slim.slice_index(key, slim.state_dict()[key].shape, full.state_dict()[key].shape)[0]
+    expected = torch.cat([torch.arange(0, 32), torch.arange(64, 96), torch.arange(128, 160)])  # the first 4 heads of q, k, v
+    assert rows.dtype == torch.int64 and torch.equal(rows, expected)
