@@ -303,3 +303,11 @@ def test_a_vit_narrowed_by_heads_keeps_whole_heads_rounded_to_the_multiple_and_s
     rows = slim.slice_index(key, slim.state_dict()[key].shape, full.state_dict()[key].shape)[0]
     expected = torch.cat([torch.arange(0, 32), torch.arange(64, 96), torch.arange(128, 160)])  # the first 4 heads of q, k, v
     assert rows.dtype == torch.int64 and torch.equal(rows, expected)
+
+
+def test_a_resnets_default_input_is_224_with_the_imagenet_stem_and_32_with_the_cifar_one():
+    with torch.device("meta"):
+        sizes = [create_model(name, **args).default_cfg["input_size"]
+                 for name, args in [("resnet18", {"stem": "imagenet"}), ("resnet18", {}), ("resnet20", {"in_chans": 1}),
+                                    ("resnet18", {"stem": "imagenet", "img_size": 64})]]
+    assert sizes == [(3, 224, 224), (3, 32, 32), (1, 32, 32), (3, 64, 64)]
