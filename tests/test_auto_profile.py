@@ -233,3 +233,39 @@ def test_the_batch_check_counts_the_largest_working_set_and_names_it(monkeypatch
         check_batch_fits(conv, (1, 4, 4), 5000)
     assert str(refused.value) == ("batch 5000: needs about 11.0 MiB (0.00 MiB per input), more than the 10.0 MiB of "
                                   "memory available; use a batch of at most 4,551")
+
+
+def test_depth_mode_keeps_the_stages_in_equal_proportion_within_tolerance():
+    found = auto_tier("resnet110", 0.5, "depth")  # three stages of 18 blocks
+    kept = [sum(1 for s in stage if s) for stage in found.tier.steps]
+    assert kept == [10, 9, 9] and abs(found.params_ratio - 0.5) <= 0.01 * 0.5 and found.note == ""
+
+
+def test_only_balanced_mode_refuses_a_gamma_whose_width_ratio_rounds_to_zero_and_notes_name_a_multiple_above_1():
+    with pytest.raises(ValueError, match="too small for balanced mode"):
+        auto_tier("resnet20", 0.00001)
+    assert auto_tier("resnet20", 0.00001, "width").tier.gamma_w > 0
+    note = auto_tier("resnet18", 0.2, "depth").note
+    assert note.startswith("resnet18 cannot reach parameter ratio 0.2 within 1% in depth mode; closest is ")
+
+
+def test_the_latency_search_keeps_the_largest_tier_within_the_budget_on_the_grid(monkeypatch):
+    """Latency faked as thousands of parameters: the search must land on the largest tier whose
+    latency is at most the budget, the budget itself included."""
+    import nefl_zoo.export.onnx_file
+    from nefl_zoo.auto import latency_tier
+
+    def fake_ms(module, input_size, batch, threads, runs):
+        return sum(p.numel() for p in module.parameters()) / 1000
+
+    monkeypatch.setattr(nefl_zoo.export.onnx_file, "onnx_latency_ms", fake_ms)
+
+    def ms_at(gamma):
+        tier = auto_tier("resnet20", gamma).tier
+        return fake_ms(compile_spec(SubmodelSpec(model="resnet20", tiers=[tier]))[tier.name].build(), None, 1, 1, 1)
+
+    budget = ms_at(0.37)
+    found = latency_tier("resnet20", budget)
+    chosen = round(found.tier.gamma * 100)
+    assert found.latency_ms == budget  # the budget itself fits
+    assert ms_at((chosen + 1) / 100) > budget  # the next gamma on the grid does not
