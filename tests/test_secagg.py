@@ -165,6 +165,7 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
     ({"secure_aggregation": {"quantization_range": 2**31}}, "overflow modulus_range"),
 ])
 def test_runs_secure_aggregation_cannot_serve_are_refused_before_they_start(overrides, message):
+    overrides = dict(overrides)  # the parameter itself stays as written (mutmut runs the tests twice in one process)
     secure = overrides.pop("secure_aggregation", {})
     cfg = tiny(**{"secure_aggregation": secure, **overrides})
     with pytest.raises(ConfigError) as info:
