@@ -131,8 +131,7 @@ def test_the_run_directory_lock_keeps_its_message(tmp_path):
 def test_a_holder_that_is_not_a_pid_is_an_unknown_one(tmp_path, written, shown):
     holder = DirLock(tmp_path)
     holder.acquire()
-    os.truncate(holder.path, 0)
-    (holder.path).write_bytes(written)  # what another writer of the lock file left in it
+    holder.path.write_bytes(written)  # what another writer of the lock file left in it
     with pytest.raises(LockedError, match=rf"^{re.escape(str(tmp_path))}: another nefl-zoo process \({shown}\) is using"):
         DirLock(tmp_path).acquire()
     holder.release()

@@ -32,7 +32,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 @pytest.mark.parametrize("method", METHODS)
 def test_two_rounds_then_a_resume_are_bit_identical(tmp_path_factory, tmp_path, monkeypatch, method):
     config = contract_config(method)
-    shutil.copytree(contract_run(tmp_path_factory, method), tmp_path / "straight")  # Engine(config, ...).run()
+    shutil.copytree(contract_run(tmp_path_factory, method), tmp_path / "straight")  # Engine(config, ...).run(), made once
     straight = records(tmp_path / "straight")
     crash_in_round(config, tmp_path / "resumed", monkeypatch, 1)
     engine = Engine(config, tmp_path / "resumed")
