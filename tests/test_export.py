@@ -458,3 +458,29 @@ def test_the_opset_may_be_declared_as_ai_onnx_and_bad_bytes_name_their_source():
     assert verify.check_single_file("t", model, 17) == 17
     with pytest.raises(ManifestError, match=r"^tiny.onnx: onnxruntime cannot load the model"):
         verify.hashed_session(b"not a model", "tiny.onnx", threads=1)
+
+
+def test_exports_reuse_one_torchlib_registry_and_write_the_same_bytes(tmp_path, monkeypatch):
+    """write_onnx builds torch's operator registry once per opset, not once per export, and its
+    file is byte-for-byte the one of a plain ``torch.onnx.export`` with the same arguments."""
+    from torch.onnx._internal.exporter import _registration
+
+    from nefl_zoo.export import onnx_file
+
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    built = []
+    monkeypatch.setattr(onnx_file, "_REGISTRIES", {})
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(
+        lambda cls, opset_version=18: built.append(opset_version) or original.__func__(cls, opset_version=opset_version)))
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 5)).eval()
+    for name in ("a", "b"):
+        torch.manual_seed(2)
+        onnx_file.write_onnx(module, tmp_path / f"{name}.onnx", (3, 6, 6), 2, True, None)
+    assert len(built) == 1  # the second export reused the first one's registry
+    torch.manual_seed(2)
+    torch.onnx.export(module, (torch.randn(2, 3, 6, 6),), str(tmp_path / "plain.onnx"), input_names=["input"],
+                      output_names=["logits"], dynamo=True, external_data=False,
+                      dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
+    assert built == built[:1] * 2  # outside write_onnx the exporter builds its own again
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes() == (tmp_path / "plain.onnx").read_bytes()

@@ -1,15 +1,17 @@
 """Writing one tier as an ONNX file, and what the file and the machine tell about it.
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
-the one file; :func:`activation_bytes_per_sample` reads the largest working set from ONNX
+the one file, reusing one operator registry per opset (:func:`reused_torchlib_registry`); :func:`activation_bytes_per_sample` reads the largest working set from ONNX
 shape inference; :func:`cpu_channel_block` names the channel block the CPU kernels prefer
 and :func:`onnx_latency_ms` times a module as export would write it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 import onnx
@@ -22,6 +24,7 @@ from .surgery import fold_batchnorm
 
 MIN_OPSET = 18  # the torch.export-based exporter writes nothing older
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
+_EXPORT_LOCK = threading.Lock()  # the registry is swapped in for one export at a time
 
 
 def tier_filename(name: str) -> str:
@@ -35,18 +38,56 @@ def write_onnx(
     """``torch.onnx.export`` through torch.export, weights inside the one file."""
     example = torch.randn(example_batch, *input_size)
     dynamic_shapes = ({0: torch.export.Dim("batch")},) if batch_dynamic else None
-    torch.onnx.export(
-        module,
-        (example,),
-        str(path),
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
-        opset_version=opset,
-        dynamo=True,
-        external_data=False,
-        dynamic_shapes=dynamic_shapes,
-        verbose=False,
-    )
+    with _EXPORT_LOCK, reused_torchlib_registry():
+        torch.onnx.export(
+            module,
+            (example,),
+            str(path),
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            opset_version=opset,
+            dynamo=True,
+            external_data=False,
+            dynamic_shapes=dynamic_shapes,
+            verbose=False,
+        )
+
+
+_REGISTRIES: dict[tuple[type, int], object] = {}  # (registry class, opset) -> built registry
+
+
+@contextlib.contextmanager
+def reused_torchlib_registry():
+    """Within the block, ``torch.onnx.export`` reuses one operator registry per opset.
+
+    The exporter builds its registry from onnxscript's torchlib on every call, parsing the
+    source of some 500 functions: more than half the time of exporting a small tier. Without a
+    custom translation table (write_onnx passes none) the exporter only reads the registry, so
+    one per opset serves every export of the process; the files are byte-identical (tested).
+    Where torch's internals differ from the ones this was written against, nothing is changed.
+    """
+    try:
+        from torch.onnx._internal.exporter import _constants, _registration
+
+        registry_class = _registration.ONNXRegistry
+        original = registry_class.__dict__["from_torchlib"]
+        build = original.__func__
+        default_opset = _constants.TORCHLIB_OPSET
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def from_torchlib(cls, opset_version=default_opset):
+        key = (cls, opset_version)
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build(cls, opset_version=opset_version)
+        return _REGISTRIES[key]
+
+    registry_class.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        registry_class.from_torchlib = original
 
 
 def onnx_latency_ms(module: nn.Module, input_size: tuple[int, ...], batch: int, threads: int | None, runs: int) -> float:
