@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("flwr")
 
+from flwr.app import RecordDict  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -29,7 +30,7 @@ from nefl_zoo.fl.config import ConfigError  # noqa: E402
 from nefl_zoo.fl.engine import Engine  # noqa: E402
 from nefl_zoo.fl.flower import FlowerEngine, SimulatedRun, simulate_runs  # noqa: E402
 from nefl_zoo.fl.flower.secure import check_secure  # noqa: E402
-from nefl_zoo.fl.secagg import Layout, sum_error  # noqa: E402
+from nefl_zoo.fl.secagg import Layout, SecureAggregation, sum_error, weight_scale  # noqa: E402
 
 from .conftest import records, same_tensors, tiny  # noqa: E402
 from .support.flower import InProcessGrid  # noqa: E402
@@ -173,6 +174,126 @@ def test_runs_secure_aggregation_cannot_serve_are_refused_before_they_start(over
     assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ConfigError):
         simulate_runs([SimulatedRun(cfg, "unused")])  # before Ray starts
+
+
+def test_client_weights_are_scaled_into_0_1_and_one_lost_in_the_quantisation_is_refused():
+    """Sample weights are divided by the largest partition (per-client weights are 1 already); a
+    smallest weight within twice the sum's error would read as 'no client held it': refused."""
+    settings = SecureAggregation()
+    samples = config(train__weighting="samples").build_strategy()
+    assert weight_scale(samples, [100, 300, 200], settings, 3) == 1 / 300
+    assert 2 * sum_error(settings, 2) == 2 * 2 * 16 / 2**22  # 1 / 10**6 is well within it
+    with pytest.raises(ValueError, match=r"smallest client weight \(1e-06 scaled\) is within .*raise quantization_range"):
+        weight_scale(samples, [1, 10**6], settings, 2)
+    assert weight_scale(config(train__weighting="clients").build_strategy(), [1, 10**6], settings, 2) == 1.0
+
+
+def test_a_client_vector_refuses_what_aggregation_would_and_sums_treat_weights_within_the_error_as_unheld():
+    strategy = config().build_strategy()
+    state = strategy.init_global_state()
+    layout = Layout(strategy, state)
+    level = strategy.info.levels[0]
+    sent = {k: torch.zeros(e.shape) for k, e in strategy.entries(level).items()}
+    returned = dict(sent)
+    key = next(k for k, t in sent.items() if t.is_floating_point())
+    returned[key] = torch.full(sent[key].shape, float("nan"))
+    with pytest.raises(ValueError, match=f"update rejected: {key}: contains NaN or Inf"):
+        layout.client_vector(sent, returned, level, 1.0, 8.0)
+    first, shape = next(iter(layout.shapes.items()))
+    n = int(np.prod(shape))
+    error = 1e-5
+    weights = np.zeros(sum(int(np.prod(s)) for s in layout.shapes.values()))
+    weights[:3] = [error, 2 * error, 1.0]  # exactly the error: unheld; above it: held
+    total = np.ones_like(weights)
+    sums = layout.sums(state, total, weights, error)
+    held = sums.weight[first].reshape(-1)[:3]
+    assert held.tolist() == [0.0, 2 * error, 1.0] and n >= 3
+    expected = total[:3] * layout.units[first] * (held > 0).numpy() + held.numpy() * state[first].reshape(-1)[:3].double().numpy()
+    assert sums.total[first].reshape(-1)[:3].tolist() == expected.tolist()
+
+
+def test_protocol_bytes_are_every_secagg_message_down_and_every_answer_up(runs):
+    """A round's ``secagg_bytes``: the content of every protocol message pushed (down) and of every
+    answer delivered (up), evaluation messages aside; content_bytes counts array data, bytes and
+    strings by length and any other config value as 8."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from nefl_zoo.fl.flower.secure import content_bytes
+
+    array = Array(np.zeros((2, 3), dtype=np.float32))  # its data: the .npy bytes, a 128-byte header and 24 of floats
+    content = RecordDict({"a": ArrayRecord({"x": array}),
+                          "c": ConfigRecord({"b": b"abc", "s": "hello", "i": 7, "l": [b"ab", b"c"], "f": [1.5, 2.5]})})
+    assert len(array.data) == 128 + 24 and content_bytes(content) == len(array.data) + 3 + 5 + 8 + (2 + 1) + (8 + 8)
+    _, _, _, grid, _ = runs["nefl"]
+    protocol = [m for m in grid.pushed if RECORD_KEY_CONFIGS in m.content.config_records]
+    answers = [r for r in grid.seen if not r.has_error() and RECORD_KEY_CONFIGS in r.content.config_records]
+    assert len(protocol) == len(answers) >= 3 * 4  # four SecAgg+ stages, three nodes
+    down, up = sum(content_bytes(m.content) for m in protocol), sum(content_bytes(r.content) for r in answers)
+    out = runs["nefl"][0]
+    assert records(out / "secure-nefl")[0]["secagg_bytes"] == {"down": down, "up": up} and 0 < down and 0 < up
+
+
+def test_the_node_side_passes_other_messages_and_answers_a_failure_with_an_error_reply(server_identity, caplog):
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from nefl_zoo.fl.flower.secure import secure_mod
+
+    context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    plain = Message(RecordDict(), dst_node_id=5, message_type="train")
+    seen = []
+    assert secure_mod(plain, context, lambda m, c: seen.append((m, c)) or "answer") == "answer"
+    assert seen == [(plain, context)]
+    broken = Message(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({"stage": "no such stage"})}), dst_node_id=5, message_type="train")
+    state = np.random.get_state()
+    with caplog.at_level("WARNING", logger="nefl_zoo.fl.flower.secure"):
+        reply = secure_mod(broken, context, lambda m, c: pytest.fail("a broken SecAgg+ message reached training"))
+    assert reply.has_error() and reply.error.reason.startswith("secure aggregation: ")
+    assert [r.getMessage() for r in caplog.records] == [f"secure aggregation failed on this node: {reply.error.reason.removeprefix('secure aggregation: ')}"]
+    assert all((a == b).all() if isinstance(a, np.ndarray) else a == b for a, b in zip(np.random.get_state(), state))
+
+
+def test_a_clipped_update_and_rejected_replies_are_logged_by_client(caplog):
+    from nefl_zoo.fl.flower.secure import SecureMethod, secure_content
+    from nefl_zoo.fl.strategy import ClientInfo, Reply
+
+    strategy = config().build_strategy()
+    state = strategy.init_global_state()
+    level = strategy.info.levels[-1]
+    instruction = strategy.configure_train(1, state, [ClientInfo(0, (level,))])[0]
+    key = next(k for k, t in instruction.arrays.items() if t.is_floating_point() and t.numel() > 1)
+    returned = {k: t + 3.0 if k == key else t.clone() for k, t in instruction.arrays.items()}
+    with caplog.at_level("WARNING", logger="nefl_zoo.fl.flower.secure"):
+        secure_content(strategy, instruction, Reply(returned, num_samples=10, level=level), {"scale": 1.0, "clip": 2.0})
+        method = SecureMethod(strategy, SecureAggregation(), 1.0, timeout=1.0, poll=0.01, stop=None)
+        kept = method.aggregate_train(1, state, {7: Reply({}, error="no reply"), 9: Reply({}, error="bad shape")})
+    n = instruction.arrays[key].numel()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{n} elements of this client's update exceed secure_aggregation.clipping_range and are clipped",
+        "client 7: reply rejected: no reply", "client 9: reply rejected: bad shape"]
+    assert kept.rejected == [(7, "no reply"), (9, "bad shape")] and kept.accepted == 0 and kept.state == state
+
+
+def test_a_stopped_run_stops_waiting_for_secure_aggregation_replies(server_identity):
+    import threading
+
+    from nefl_zoo.fl.flower.nodes import Stopped
+    from nefl_zoo.fl.flower.secure import SecureMethod
+
+    class Silent:  # a grid whose nodes never answer
+        def get_node_ids(self):
+            return [1, 2]
+
+        def push_messages(self, messages):
+            return [f"m{i}" for i, _ in enumerate(messages)]
+
+        def pull_messages(self, ids):
+            return []
+
+    stop = threading.Event()
+    stop.set()
+    method = SecureMethod(config().build_strategy(), SecureAggregation(), 1.0, timeout=600.0, poll=0.01, stop=stop)
+    with pytest.raises(Stopped):
+        method.exchange(Silent(), 1, {1: (0, RecordDict(), 1), 2: (1, RecordDict(), 2)})
 
 
 def test_the_in_process_engine_refuses_secure_aggregation_and_flower_refuses_the_virtual_clock(tmp_path):

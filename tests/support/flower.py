@@ -134,6 +134,7 @@ class InProcessGrid:
         ids = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.pushed.append(message)  # as the server sent it (the node's copy is its own, and its mods change it)
             if self.wire:
                 message = message_from_proto(message_to_proto(message))
             answer = self.answers[message.metadata.message_id] = self._answer(message)
@@ -142,7 +143,6 @@ class InProcessGrid:
             if reply is not None:
                 self.replies[message.metadata.message_id] = reply
                 self.seen.append(reply)
-            self.pushed.append(message)
             ids.append(message.metadata.message_id)
         return ids
 
