@@ -218,3 +218,83 @@ def test_a_nodes_own_data_root_device_and_threads_apply_to_its_runs(monkeypatch)
         torch.set_num_threads(1)
     flower_client._built("{}", Context(run_id=1, node_id=8, node_config={"partition-id": 1}, state=RecordDict(), run_config={}))
     assert asked[1] == ("{}", "", "")  # the run configuration's own data root and device
+
+
+def test_min_nodes_lets_a_run_start_with_fewer_nodes_and_later_rounds_go_on_with_those_left(server_identity, tmp_path):
+    """``min_nodes`` nodes start round 1 (all clients by default: with fewer, the run waits for
+    nodes until it is stopped); after that a round takes whichever nodes are left, however few."""
+    import threading
+
+    from nefl_zoo.fl.flower.nodes import NodeRegistry, Stopped
+
+    def stopped_after(seconds: float) -> threading.Event:
+        stop = threading.Event()
+        timer = threading.Timer(seconds, stop.set)
+        timer.daemon = True
+        timer.start()
+        return stop
+
+    def grid_of(nodes: int) -> InProcessGrid:  # the first nodes of the config's 4 clients
+        grid = InProcessGrid(4)
+        for node in range(1000 + nodes, 1004):
+            del grid.contexts[node]
+        return grid
+
+    config = tiny(rounds=2, train__local_epochs=1, data__max_test_samples=32)
+    with pytest.raises(ValueError, match=r"^min_nodes: must be an integer in 1\.\.4, got 0$"):
+        FlowerEngine(config, tmp_path / "none", None, min_nodes=0)
+    assert not (tmp_path / "none").exists()
+    waits = []
+    refresh = NodeRegistry.refresh
+    grid = grid_of(2)
+    engine = FlowerEngine(config, tmp_path / "two", grid, timeout=5, min_nodes=2, stop=stopped_after(60))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NodeRegistry, "refresh", lambda self, grid, wait: waits.append(wait) or refresh(self, grid, wait))
+        torch.manual_seed(0)
+        engine.state = engine.strategy.init_global_state()
+        first = engine.run_round(0)
+        del grid.contexts[1001]  # a node leaves
+        second = engine.run_round(1)
+    assert waits == [2, 1] and (first["clients"], second["clients"]) == (2, 1)
+    one = FlowerEngine(config, tmp_path / "one", grid_of(1), timeout=5, min_nodes=1, stop=stopped_after(60))
+    torch.manual_seed(0)
+    one.state = one.strategy.init_global_state()
+    assert one.run_round(0)["clients"] == 1
+    every = FlowerEngine(config, tmp_path / "all", grid_of(3), timeout=5, stop=stopped_after(0.5))  # waits for all 4
+    every.state = every.strategy.init_global_state()
+    with pytest.raises(Stopped, match="while waiting for nodes"):
+        every.run_round(0)
+
+
+def test_a_reply_to_no_message_of_the_round_is_ignored_and_logged(server_identity, tmp_path, caplog):
+    import logging
+
+    class Stray(InProcessGrid):
+        def pull_messages(self, message_ids):
+            replies = super().pull_messages(message_ids)
+            if replies:
+                stale = Message(RecordDict(), dst_node_id=1001, message_type="train")
+                stale.metadata.__dict__["_message_id"] = "old"
+                replies.append(Message(RecordDict(), reply_to=stale))
+            return replies
+
+    engine = FlowerEngine(tiny(rounds=1, train__local_epochs=1, data__max_test_samples=32), tmp_path, Stray(4), timeout=5)
+    torch.manual_seed(0)
+    engine.state = engine.strategy.init_global_state()
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.flower.engine"):
+        record = engine.run_round(0)
+    assert record["clients"] == 4 and record["rejected"] == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "nefl_zoo.fl.flower.engine"][0] == \
+        "a train reply from node 1001 answers no message of this round; ignored"
+
+
+def test_secure_weights_are_scaled_for_the_clients_of_a_round(monkeypatch, tmp_path):
+    """The check that the smallest scaled weight stays clear of SecAgg+'s error is made for the
+    clients one round samples (``fraction`` of them), as the error grows with them."""
+    from nefl_zoo.fl.flower import engine as flower_engine
+
+    calls = []
+    monkeypatch.setattr(flower_engine, "weight_scale", lambda strategy, sizes, settings, clients: calls.append((sizes, clients)) or 0.5)
+    engine = FlowerEngine(tiny(clients__fraction=0.75, secure_aggregation={}), tmp_path, InProcessGrid(4))
+    sizes = [len(engine.data.client_dataset(c)) for c in range(4)]
+    assert calls == [(sizes, 3)] and engine.secure.scale == 0.5

@@ -228,6 +228,7 @@ def test_protocol_bytes_are_every_secagg_message_down_and_every_answer_up(runs):
     protocol = [m for m in grid.pushed if RECORD_KEY_CONFIGS in m.content.config_records]
     answers = [r for r in grid.seen if not r.has_error() and RECORD_KEY_CONFIGS in r.content.config_records]
     assert len(protocol) == len(answers) >= 3 * 4  # four SecAgg+ stages, three nodes
+    assert {m.metadata.group_id for m in protocol} == {"1"}  # the workflow is told the round
     down, up = sum(content_bytes(m.content) for m in protocol), sum(content_bytes(r.content) for r in answers)
     out = runs["nefl"][0]
     assert records(out / "secure-nefl")[0]["secagg_bytes"] == {"down": down, "up": up} and 0 < down and 0 < up
