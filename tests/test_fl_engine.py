@@ -5,6 +5,8 @@ import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
@@ -209,3 +211,63 @@ def test_dataloader_batches_move_to_the_device_too():
 
     data = TensorDataset(torch.zeros(6, 1, 2, 2), torch.arange(6))  # not in-memory images: the DataLoader path
     assert {(x.device.type, y.device.type) for x, y in shuffled_batches(data, 4, 0, 1, "meta")} == {("meta", "meta")}
+
+
+def test_a_rounds_record_and_the_csv_columns_come_from_the_clients_replies(tmp_path, monkeypatch):
+    """Each client trains on its own partition; the record's loss is the mean of the replies'
+    losses, its per-client bytes are the instruction's and the reply's; the observer sees the
+    last evaluation; the CSV has the documented columns; a run without extra metrics has none."""
+    import csv
+    import math
+
+    config = tiny(rounds=1, train__local_epochs=1, data__max_test_samples=32)
+    engine = Engine(config, tmp_path / "run")
+    seen, replies = [], {}
+    train = engine.strategy.train
+
+    def recording(instruction, data, client_state):
+        reply = train(instruction, data, client_state)
+        cid = instruction.config["client"]
+        seen.append((cid, len(data), [int(i) for i in data.indices[:5]] if hasattr(data, "indices") else None))
+        replies[cid] = (instruction, reply)
+        return reply
+
+    monkeypatch.setattr(engine.strategy, "train", recording)
+    evaluate_ = engine.strategy.evaluate
+    monkeypatch.setattr(engine.strategy, "evaluate", lambda *args: {k: v for k, v in evaluate_(*args).items() if "/" not in k})
+    observed = []
+
+    class Observer:
+        def start(self, engine):
+            pass
+
+        def round(self, record, last_eval):
+            observed.append((record, last_eval))
+
+        def end(self, engine, result):
+            observed.append(result)
+
+    result = engine.run(observer=Observer())
+    assert sorted(seen) == sorted((c, len(engine.data.client_dataset(c)),
+                                   [int(i) for i in engine.data.client_dataset(c).indices[:5]] if hasattr(engine.data.client_dataset(c), "indices") else None)
+                                  for c in range(4))
+    (record, last_eval), end = observed
+    losses = [replies[c][1].loss for c in sorted(replies)]
+    assert not math.isnan(record["train_loss"]) and record["train_loss"] == float(np.mean(losses))
+    for cid, (instruction, reply) in replies.items():
+        client = record["per_client"][str(cid)]
+        assert client == {"tier": instruction.level, "bytes_down": sum(t.numel() * t.element_size() for t in instruction.arrays.values()),
+                          "bytes_up": sum(t.numel() * t.element_size() for t in reply.arrays.values())}
+    assert last_eval["acc"] == end.acc and end.extra == {}
+    header = next(csv.reader((tmp_path / "run" / "metrics.csv").read_text().splitlines()))
+    assert header[:9] == ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["extra"] == {}
+
+
+def test_the_in_process_engine_names_the_flower_engine_for_secure_aggregation(tmp_path):
+    from nefl_zoo.fl.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Engine(tiny(secure_aggregation={}), tmp_path)
+    assert str(info.value).endswith("secure_aggregation: runs on Flower's SecAgg+: add --engine flower "
+                                    "(the in-process engine sees every update), or remove the section")

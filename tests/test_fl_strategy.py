@@ -232,3 +232,63 @@ def test_an_unknown_method_lists_the_known_ones():
     with pytest.raises(KeyError) as unknown:
         registry.get_method("fedsgd")
     assert unknown.value.args[0] == f"unknown method 'fedsgd'; one of {', '.join(BUILTIN_METHODS)}"
+
+
+def test_the_strategy_base_refuses_in_words_that_name_the_method():
+    from types import SimpleNamespace
+
+    from nefl_zoo.fl.strategy import MethodInfo, Strategy
+
+    spec = tiny().submodel_spec()
+    with pytest.raises(ValueError, match=r"^worst_case 'g2' is not one of eval_names \['g0\.25', 'g1'\]$"):
+        MethodInfo(spec, (1, 8, 8), 10, ("g1",), ("g0.25", "g1"), worst_case="g2")
+    info = MethodInfo(spec, (1, 8, 8), 10, ("g1",), ("g0.25", "g1"), worst_case="g0.25")
+    assert info.summary({"g1": 0.5, "g0.25": 0.25}) == {"worst": 0.25, "avg": 0.375, "min": 0.25}
+    assert info.summary({"g1": 0.5})["worst"] != info.summary({"g1": 0.5})["worst"]  # NaN: the worst case was not evaluated
+
+    class Bare(Strategy):  # no registered name
+        init_global_state = configure_train = aggregate_train = evaluate = train = lambda self, *args: None
+
+    class Named(Bare):
+        name = "named"
+
+    robust = SimpleNamespace(aggregation=SimpleNamespace(plain=False))
+    tail = " does not average nested updates, so robust rules, clipping and dp cannot apply; remove the section"
+    for cls, name in ((Bare, "Bare"), (Named, "named")):
+        with pytest.raises(ValueError) as info_:
+            cls(robust)
+        assert str(info_.value) == f"aggregation: {name}{tail}"
+    plain = Named(SimpleNamespace(aggregation=SimpleNamespace(plain=True)))
+    with pytest.raises(NotImplementedError, match=r"^named does not evaluate on clients$"):
+        plain.evaluate_client(None, None, {})
+    plain.load_server_state({})  # nothing kept, nothing to restore
+    with pytest.raises(ValueError, match=r"^named: keeps no server state, got \['a', 'b', 'c'\]$"):
+        plain.load_server_state({k: torch.zeros(1) for k in "dcba"})
+
+
+def test_per_client_evaluation_scores_each_clients_largest_tier_on_its_own_data(caplog):
+    """``eval.per_client``: a client gets the submodel of its largest level and scores it on its
+    data; a rejected train reply is logged with the client's id."""
+    import logging
+
+    from torch.utils.data import TensorDataset
+
+    strategy = tiny(eval__per_client=True).build_strategy()
+    torch.manual_seed(0)
+    state = strategy.init_global_state()
+    clients = [ClientInfo(0, ("g0.25", "g0.5")), ClientInfo(1, ("g1",)), ClientInfo(2, ("g0.25",))]
+    instructions = strategy.configure_evaluate(1, state, clients)
+    assert {c: i.level for c, i in instructions.items()} == {0: "g0.5", 1: "g1", 2: "g0.25"}
+    data = TensorDataset(torch.randn(40, 1, 8, 8), torch.arange(40) % 10)
+    for cid, instruction in instructions.items():
+        model = strategy.compiled[instruction.level].load(state).eval()
+        with torch.no_grad():
+            expected = int((model(data.tensors[0]).argmax(1) == data.tensors[1]).sum()) / 40
+        reply = strategy.evaluate_client(instruction, data, {})
+        assert (reply.metrics, reply.num_samples, reply.level) == ({"accuracy": expected}, 40, instruction.level)
+    assert tiny().build_strategy().configure_evaluate(1, state, clients) == {}  # off by default
+    with caplog.at_level(logging.WARNING):
+        strategy.configure_train(1, state, [ClientInfo(0, ("g1",))])
+        kept = strategy.aggregate_train(1, state, {0: Reply({}, error="no reply within 5 s")})
+    assert kept.rejected == [(0, "no reply within 5 s")]
+    assert "client 0: reply rejected: no reply within 5 s" in [r.getMessage() for r in caplog.records]
