@@ -292,7 +292,7 @@ def test_a_stopped_run_stops_waiting_for_secure_aggregation_replies(server_ident
 
     stop = threading.Event()
     stop.set()
-    method = SecureMethod(config().build_strategy(), SecureAggregation(), 1.0, timeout=600.0, poll=0.01, stop=stop)
+    method = SecureMethod(config().build_strategy(), SecureAggregation(), 1.0, timeout=5.0, poll=0.01, stop=stop)
     with pytest.raises(Stopped):
         method.exchange(Silent(), 1, {1: (0, RecordDict(), 1), 2: (1, RecordDict(), 2)})
 
