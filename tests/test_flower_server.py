@@ -92,6 +92,11 @@ def test_a_verbose_simulation_keeps_flowers_logs_and_a_resume_continues_the_run(
 def test_runs_of_different_sizes_and_a_simulation_that_ends_early_are_errors(in_process_simulation, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^the runs of one simulation need the same clients.num_clients, got \[3, 4\]$"):
         server.simulate_runs([server.SimulatedRun(quick(), tmp_path / "a"), server.SimulatedRun(quick(clients__num_clients=3), tmp_path / "b")])
+    run = server.SimulatedRun(quick(), tmp_path / "d")
+    for kwargs, message in [({"timeout": 0}, r"^timeout: must be a number in \(0, 604800\], got 0$"),
+                            ({"cpus": 0}, r"^cpus: must be an integer in 1\.\.1024, got 0$")]:
+        with pytest.raises(ValueError, match=message):
+            server.simulate_runs([run], **kwargs)
     assert in_process_simulation == []  # refused before Ray
     monkeypatch.setattr("flwr.simulation.run_simulation", lambda *args, **kwargs: None)  # Ray gave up without a word
     with pytest.raises(RuntimeError, match=r"^the Flower simulation ended before its runs did$"):
@@ -105,17 +110,18 @@ def test_the_deployment_serverapp_runs_its_config_with_overrides_and_logs_each_r
     monkeypatch.setattr(logger, "handlers", [])
     monkeypatch.setattr(logger, "propagate", True)
     monkeypatch.setattr(logger, "level", logging.WARNING)
-    run_config = {"config": "digits.yaml", "overrides": "rounds=1; train.local_epochs=1 ;data.max_test_samples=32;eval.every=1",
+    run_config = {"config": "digits.yaml", "overrides": "rounds=2; train.local_epochs=1 ;data.max_test_samples=32;eval.every=2",
                   "round-timeout": 60.0, "resume": False}
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     handler_output = []
     monkeypatch.setattr(logging.StreamHandler, "emit", lambda self, record: handler_output.append(self.format(record)))
     server.server_app(APP)(InProcessGrid(3), context)
     out = tmp_path / "runs" / "digits-flower-nefl-s0"  # the default run directory, under the working directory
-    assert [r["round"] for r in records(out)] == [1]
+    assert [r["round"] for r in records(out)] == [1, 2]
     assert logger.level == logging.INFO and logger.propagate is False
-    assert len(handler_output) == 3, handler_output
-    start, round_, done = handler_output
-    assert start == f"INFO nefl_zoo.fl.flower.server: nefl digits-flower: round 0 of 1, run directory {out}"
-    assert re.fullmatch(r"INFO nefl_zoo\.fl\.flower\.server: round 1: 3 clients, 0 rejected, loss \d+\.\d{4}, worst \d\.\d{3} avg \d\.\d{3}", round_)
+    assert len(handler_output) == 4, handler_output
+    start, first, second, done = handler_output
+    assert start == f"INFO nefl_zoo.fl.flower.server: nefl digits-flower: round 0 of 2, run directory {out}"
+    assert re.fullmatch(r"INFO nefl_zoo\.fl\.flower\.server: round 1: 3 clients, 0 rejected, loss \d+\.\d{4}", first)  # not evaluated
+    assert re.fullmatch(r"INFO nefl_zoo\.fl\.flower\.server: round 2: 3 clients, 0 rejected, loss \d+\.\d{4}, worst \d\.\d{3} avg \d\.\d{3}", second)
     assert re.fullmatch(r"INFO nefl_zoo\.fl\.flower\.server: done: g0\.2 \d\.\d{4}, g0\.6 \d\.\d{4}, g1 \d\.\d{4}", done)
