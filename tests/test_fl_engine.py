@@ -18,7 +18,7 @@ from nefl_zoo.fl.methods.fjord import nested_entry
 from nefl_zoo.fl.strategy_utils import with_bn
 from nefl_zoo.slim import compile_spec, tier_key
 
-from .conftest import tiny
+from .conftest import records, tiny
 
 torch.set_num_threads(1)
 
@@ -271,3 +271,20 @@ def test_the_in_process_engine_names_the_flower_engine_for_secure_aggregation(tm
         Engine(tiny(secure_aggregation={}), tmp_path)
     assert str(info.value).endswith("secure_aggregation: runs on Flower's SecAgg+: add --engine flower "
                                     "(the in-process engine sees every update), or remove the section")
+
+
+def test_parallel_clients_train_each_on_its_own_partition_as_one_at_a_time(tmp_path):
+    """``train.parallel_clients`` hands the strategy, each client's partition and its own train
+    (FedGH's clients keep per-client state, so they train one at a time) to the batched trainer:
+    the run is the sequential one, tensor for tensor."""
+    from .conftest import same_tensors
+
+    for parallel, name in ((1, "one"), (2, "two")):
+        config = tiny(method="fedgh", rounds=1, train__local_epochs=1, data__max_test_samples=32, train__parallel_clients=parallel,
+                      data__local_split=[0.8, 0.1, 0.1])
+        Engine(config, tmp_path / name).run()
+    assert same_tensors(tmp_path / "one", tmp_path / "two")
+    assert same_tensors(tmp_path / "one", tmp_path / "two", "clients.safetensors")
+    batched = Engine(tiny(rounds=1, train__local_epochs=1, data__max_test_samples=32, train__parallel_clients=2), tmp_path / "nefl")
+    batched.run()  # NeFL's clients of one tier train together, each on its own partition
+    assert [r["clients"] for r in records(tmp_path / "nefl")] == [4]
