@@ -277,3 +277,12 @@ def test_time_report_writes_its_json_table_and_figure(tmp_path, monkeypatch):
     assert (line.get_linestyle(), line.get_linewidth(), line.get_ydata()[0]) == ("--", 1, target)
     assert time_report({"a": "A"}, {"a": points["a"]}, {"a": dirs["a"]}, "recompute", 50.0, tmp_path / "a0", False, "t").endswith(
         "| 3 | 4 | \n") and not (tmp_path / "a0" / "time_to_accuracy.png").exists()
+
+
+def test_a_round_in_which_no_update_arrives_keeps_the_state_and_aggregates_no_client(tmp_path):
+    engine = Engine(timed(devices=DEVICES | {"deadline_s": 0.001}), tmp_path / "run")  # nobody finishes in 1 ms
+    torch.manual_seed(0)
+    engine.state = state = engine.strategy.init_global_state()
+    record = engine.run_round(0)
+    assert record["clients"] == 0 and record["rejected"] == 0  # no client could finish: none was sent one
+    assert all(engine.state[k] is state[k] for k in state)
