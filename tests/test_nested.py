@@ -106,7 +106,8 @@ def test_plain_onnxruntime_runs_every_tier_through_the_documented_inputs(exports
     for precision in PRECISIONS:
         session = ort.InferenceSession(str(nested / f"nested.{precision}.onnx"))
         table = json.loads(session.get_modelmeta().custom_metadata_map["nefl_zoo.nested"])
-        assert table["precision"] == precision and table["tier_input"] == "tier"
+        assert table["precision"] == precision and table["tier_input"] == "tier" and table["version"] == 1
+        assert session.get_modelmeta().description.startswith("The model takes the images (``input``) and an int64 scalar ``tier``")
         assert [t["name"] for t in table["tiers"]] == ["small", "mid", "full"]
         assert table["input"]["shape"] == list(compiled.input_size) and table["output"]["num_classes"] == 10
         for tier in table["tiers"]:
