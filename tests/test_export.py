@@ -484,3 +484,19 @@ def test_exports_reuse_one_torchlib_registry_and_write_the_same_bytes(tmp_path, 
                       dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
     assert built == built[:1] * 2  # outside write_onnx the exporter builds its own again
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes() == (tmp_path / "plain.onnx").read_bytes()
+
+
+def test_the_registry_is_left_alone_where_torchs_exporter_has_no_from_torchlib(monkeypatch):
+    """Other torch internals than the ones the reuse was written for: the block runs, nothing is patched."""
+    from torch.onnx._internal.exporter import _registration
+
+    from nefl_zoo.export import onnx_file
+
+    class Other:  # an exporter whose registry is built some other way
+        pass
+
+    monkeypatch.setattr(_registration, "ONNXRegistry", Other)
+    ran = []
+    with onnx_file.reused_torchlib_registry():
+        ran.append("from_torchlib" in vars(Other))
+    assert ran == [False] and "from_torchlib" not in vars(Other)

@@ -228,7 +228,7 @@ def test_a_rounds_record_and_the_csv_columns_come_from_the_clients_replies(tmp_p
     def recording(instruction, data, client_state):
         reply = train(instruction, data, client_state)
         cid = instruction.config["client"]
-        seen.append((cid, len(data), [int(i) for i in data.indices[:5]] if hasattr(data, "indices") else None))
+        seen.append((cid, list(data.indices)))
         replies[cid] = (instruction, reply)
         return reply
 
@@ -248,9 +248,7 @@ def test_a_rounds_record_and_the_csv_columns_come_from_the_clients_replies(tmp_p
             observed.append(result)
 
     result = engine.run(observer=Observer())
-    assert sorted(seen) == sorted((c, len(engine.data.client_dataset(c)),
-                                   [int(i) for i in engine.data.client_dataset(c).indices[:5]] if hasattr(engine.data.client_dataset(c), "indices") else None)
-                                  for c in range(4))
+    assert sorted(seen) == [(c, list(engine.data.client_dataset(c).indices)) for c in range(4)]
     (record, last_eval), end = observed
     losses = [replies[c][1].loss for c in sorted(replies)]
     assert not math.isnan(record["train_loss"]) and record["train_loss"] == float(np.mean(losses))

@@ -1,8 +1,8 @@
 """Writing one tier as an ONNX file, and what the file and the machine tell about it.
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
-the one file, reusing one operator registry per opset (:func:`reused_torchlib_registry`); :func:`activation_bytes_per_sample` reads the largest working set from ONNX
-shape inference; :func:`cpu_channel_block` names the channel block the CPU kernels prefer
+the one file, reusing one operator registry per opset (:func:`reused_torchlib_registry`);
+:func:`activation_bytes_per_sample` reads the largest working set from ONNX shape inference; :func:`cpu_channel_block` names the channel block the CPU kernels prefer
 and :func:`onnx_latency_ms` times a module as export would write it.
 """
 
@@ -53,7 +53,7 @@ def write_onnx(
         )
 
 
-_REGISTRIES: dict[tuple[type, int], object] = {}  # (registry class, opset) -> built registry
+_REGISTRIES: dict[int, object] = {}  # opset -> torch's operator registry, built once
 
 
 @contextlib.contextmanager
@@ -78,10 +78,9 @@ def reused_torchlib_registry():
         return
 
     def from_torchlib(cls, opset_version=default_opset):
-        key = (cls, opset_version)
-        if key not in _REGISTRIES:
-            _REGISTRIES[key] = build(cls, opset_version=opset_version)
-        return _REGISTRIES[key]
+        if opset_version not in _REGISTRIES:
+            _REGISTRIES[opset_version] = build(cls, opset_version=opset_version)
+        return _REGISTRIES[opset_version]
 
     registry_class.from_torchlib = classmethod(from_torchlib)
     try:
