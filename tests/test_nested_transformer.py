@@ -1,0 +1,84 @@
+"""The nested model of a transformer: its Linear layers on token sequences export as ``MatMul``
+with the weight transposed, and the nested file reads that weight transposed from the one
+shared copy of the global tensor (not a second, transposed copy).
+
+A two-block ViT (64 wide, four heads) with a half-width tier that skips a block, exported as
+per-tier files and as the nested model at FP32.
+"""
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.manifest import load_manifest
+from nefl_zoo.slim import compile_spec
+from nefl_zoo.spec import parse_spec
+
+from .test_export import VIT_SPEC, trained_like_state
+
+
+@pytest.fixture(scope="module")
+def vit_exports(tmp_path_factory):
+    torch.manual_seed(0)
+    compiled = compile_spec(parse_spec(VIT_SPEC))
+    state = trained_like_state(compiled)
+    out = {}
+    for layout in ("files", "nested"):
+        out[layout] = tmp_path_factory.mktemp(layout)
+        export_tiers(ExportSource(compiled, state, "vit"), out[layout], precisions=["fp32"], latency_runs=1,
+                     threads=1, format=layout, warn=pytest.fail)
+    return compiled, state, out["files"], out["nested"]
+
+
+def graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The main graph and every subgraph under it."""
+    found, todo = [], [model.graph]
+    while todo:
+        graph = todo.pop()
+        found.append(graph)
+        todo.extend(a.g for node in graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+    return found
+
+
+def read_from(producers: dict[str, onnx.NodeProto], name: str) -> str:
+    """The name outside the branch that ``name`` is computed from (through first inputs)."""
+    while name in producers:
+        name = producers[name].input[0]
+    return name
+
+
+def test_every_tier_of_a_nested_transformer_reads_its_linear_weights_transposed_from_one_copy(vit_exports):
+    compiled, state, files, nested = vit_exports
+    model = onnx.load(nested / "nested.fp32.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    top = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for key in ("blocks.0.attn.qkv.weight", "blocks.1.mlp.fc1.weight"):  # torch's (out, in) layout, bit for bit
+        np.testing.assert_array_equal(top[key], state[key].numpy())
+    for graph in graphs(model)[1:]:  # each tier's branch transposes the shared weights it reads
+        producers = {out: node for node in graph.node for out in node.output}
+        transposed = {read_from(producers, n.input[0]) for n in graph.node if n.op_type == "Transpose"}
+        assert {"blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight"} <= transposed, graph.name
+        assert all(numpy_helper.to_array(t).size < 64 * 64 for t in graph.initializer), graph.name
+    full = load_manifest(files).tier("full").file
+    assert (nested / "nested.fp32.onnx").stat().st_size <= 1.10 * (files / full).stat().st_size
+
+    x = np.random.default_rng(1).standard_normal((4, *compiled.input_size)).astype(np.float32)
+    session = ort.InferenceSession(str(nested / "nested.fp32.onnx"))
+    for tier in load_manifest(nested).tiers:
+        own = ort.InferenceSession(str(files / load_manifest(files).tier(tier.label).file))
+        logits = session.run(None, {"input": x, "tier": np.array(tier.index, np.int64)})[0]
+        np.testing.assert_allclose(logits, own.run(None, {"input": x})[0], atol=1e-5, rtol=0)
+
+
+def test_every_node_of_a_nested_model_has_a_name_of_its_own(vit_exports):
+    """onnxruntime's profiler and model viewers show nodes by name: every node of the nested
+    model, in every branch, is named, and no two share a name."""
+    model = onnx.load(vit_exports[3] / "nested.fp32.onnx")
+    names = [node.name for graph in graphs(model) for node in graph.node]
+    assert all(names) and not [n for n, count in collections.Counter(names).items() if count > 1]
