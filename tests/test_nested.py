@@ -29,7 +29,7 @@ from nefl_zoo.spec import parse_spec
 from nefl_zoo_cli.app import app
 
 from .support.device import bench
-from .support.exports import SPEC, trained_looking_state
+from .support.exports import SPEC, calibration_images, trained_looking_state
 
 PRECISIONS = ["fp32", "int8", "fp16"]
 SPEC = {**SPEC, "model_args": {"num_classes": 10, "img_size": 16}}  # three input channels
@@ -37,9 +37,10 @@ SPEC = {**SPEC, "model_args": {"num_classes": 10, "img_size": 16}}  # three inpu
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
+    torch.manual_seed(0)  # the global state's initialisation: the same weights whatever ran before
     compiled = compile_spec(parse_spec(SPEC))
     state = trained_looking_state(compiled)
-    calibration = np.random.default_rng(0).standard_normal((64, *compiled.input_size)).astype(np.float32)
+    calibration = calibration_images(compiled.input_size)
     out = {}
     for layout in ("files", "nested"):
         source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8})
@@ -490,8 +491,7 @@ def test_a_model_past_the_protobuf_limit_is_refused_in_one_line(exports, tmp_pat
 def test_re_exporting_changes_nothing_but_the_timings(exports, tmp_path):
     """Same source, same files: the nested model is deterministic, byte for byte."""
     compiled, state = exports[0], exports[1]
-    calibration = np.random.default_rng(0).standard_normal((64, *compiled.input_size)).astype(np.float32)
     source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8})
-    export_tiers(source, tmp_path, precisions=["fp32"], calibration=calibration, latency_runs=1, threads=1, format="nested")
+    export_tiers(source, tmp_path, precisions=["fp32"], calibration=calibration_images(compiled.input_size), latency_runs=1, threads=1, format="nested")
     assert file_sha256(tmp_path / "nested.fp32.onnx") == file_sha256(exports[3] / "nested.fp32.onnx")
     assert re.fullmatch(r"[0-9a-f]{64}", load_manifest(tmp_path).tiers[0].sha256)
