@@ -93,7 +93,6 @@ class _Branch:
         for node in _sorted(graph):
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
-            copy.name = self.prefix + (node.name or f"{node.op_type}_{len(self.nodes)}")
             copy.input[:] = [INPUT_NAME if n == graph.input[0].name else rename.get(n, n) for n in node.input]
             copy.output[:] = [rename.get(n, n) for n in node.output]
             self.nodes.append(copy)
@@ -114,13 +113,18 @@ class _Branch:
         """A tensor of the tier's own; with half-precision weights, cast to float32 for the graph."""
         if self.half_weights and array.dtype == np.float16:
             stored = self._constant(f"{name}~half", array)
-            self.nodes.append(helper.make_node("Cast", [stored], [self.prefix + name], name=self.prefix + name, to=TensorProto.FLOAT))
+            self.nodes.append(helper.make_node("Cast", [stored], [self.prefix + name], to=TensorProto.FLOAT))
         else:
             self._constant(name, array)
 
     def _node(self, op: str, inputs: list[str], output: str, **attributes) -> str:
-        self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
+        self.nodes.append(helper.make_node(op, inputs, [output], **attributes))
         return output
+
+    def _index(self, array: np.ndarray) -> str:
+        """The branch's int64 constant of the 1-D ``array`` (of Slice bounds or pads), one per
+        value however many cuts read it."""
+        return self._constant("~" + "_".join(str(int(v)) for v in array), array)
 
     def _cut(self, cut: Slice, shared: Mapping[str, np.ndarray], tier: Mapping[str, np.ndarray]) -> None:
         """The nodes that make initializer ``cut.name`` from its shared tensor (as
@@ -132,7 +136,7 @@ class _Branch:
             starts = np.array([i[0] for _, i in ranges], np.int64)
             ends = np.array([i[1] for _, i in ranges], np.int64)
             axes = np.array([d for d, _ in ranges], np.int64)
-            inputs = [value] + [self._constant(f"{step}{k}", a) for k, a in (("starts", starts), ("ends", ends), ("axes", axes))]
+            inputs = [value, self._index(starts), self._index(ends), self._index(axes)]
             value = self._node("Slice", inputs, self.prefix + step + "slice")
             for d, (start, stop) in ranges:
                 shape[d] = stop - start
@@ -152,12 +156,12 @@ class _Branch:
             shape = shape[::-1]
         if cut.pad is not None and list(cut.pad) != shape:
             pads = np.array([0] * len(shape) + [p - n for p, n in zip(cut.pad, shape)], np.int64)
-            value = self._node("Pad", [value, self._constant(f"{step}pads", pads)], self.prefix + step + "pad")
+            value = self._node("Pad", [value, self._index(pads)], self.prefix + step + "pad")
         if value == cut.shared:  # the whole tensor: a one-input Concat, folded into a constant of the branch
             value = self._node("Concat", [value], self.prefix + step + "whole", axis=0)
         if self.half_weights:
             value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
-        self.nodes.append(helper.make_node("Identity", [value], [self.prefix + cut.name], name=self.prefix + cut.name))
+        self.nodes[-1].output[0] = self.prefix + cut.name  # the last step makes the tier's tensor
 
 
 def _tree(branches: Sequence[_Branch], lo: int, hi: int, output: str, initializers: list) -> list[onnx.NodeProto]:
@@ -165,7 +169,7 @@ def _tree(branches: Sequence[_Branch], lo: int, hi: int, output: str, initialize
     checked tier selects: the branch itself, or an ``If`` over the two halves."""
     if hi - lo == 1:
         branch = branches[lo]
-        return [*branch.nodes, helper.make_node("Identity", [branch.output], [output], name=f"{output}~")]
+        return [*branch.nodes, helper.make_node("Identity", [branch.output], [output])]
     mid = (lo + hi) // 2
     bound = f"tier<{mid}"
     if not any(t.name == bound for t in initializers):
