@@ -312,16 +312,17 @@ def bytes_markdown(result: dict) -> tuple[str, list[str]]:
                 target = None
             else:
                 mark = f"<= {target:.2f} {'MET' if ratio <= target else 'NOT MET'}" if target else "-"
+            floor = f"{r['floor'] / r['full']:.3f}" if r["precision"] == "int8" else "-"  # FP32/FP16 files are not compacted
             lines.append(
                 f"| {name} | {r['precision']} | {tiers} | {r['nested']:,} | {r['full']:,} ({r['full_label']}) | {r['files']:,} "
-                f"| {ratio:.3f} | {mark} | {r['floor'] / r['full'] if r['precision'] == 'int8' else '-':{'.3f' if r['precision'] == 'int8' else ''}} | {r['nested'] / r['files']:.3f} | {r['files'] / r['full']:.2f} |"
+                f"| {ratio:.3f} | {mark} | {floor} | {r['nested'] / r['files']:.3f} | {r['files'] / r['full']:.2f} |"
             )
             if target:
-                floor = "" if ratio <= target else (
+                why = "" if ratio <= target else (
                     f" (the floor of per-tier graphs: {r['floor'] / r['full']:.3f}x, the shared tensors once and each tier's "
                     f"own file without its weights)")
                 verdicts.append(f"{name.split(' (')[0]}: nested {r['precision'].upper()} = {ratio:.3f}x the full tier's file "
-                                f"(target <= {target:.2f}): " + ("MET" if ratio <= target else "NOT MET") + floor)
+                                f"(target <= {target:.2f}): " + ("MET" if ratio <= target else "NOT MET") + why)
     lines += ["", "Export time (s, fp32 + int8 + fp16; load average before -> after): " + "; ".join(
         f"{src['name'].split(' (')[0]}: files {src['seconds']['files']:.0f} ({src['load']['files']}), "
         f"nested {src['seconds']['nested']:.0f} ({src['load']['nested']})" for src in result["sources"])]
