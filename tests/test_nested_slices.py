@@ -66,7 +66,8 @@ def test_the_nested_models_branch_ops_cut_exactly_what_materialize_proves():
     from nefl_zoo.export.nested_model import nested_model
 
     shared = {"W": W, "M": M, "H": M.astype(np.float16)}
-    tier = {"~i": np.array([4, 0, 2], np.int64), "~s": np.array([2.0, -1.0], np.float32), "~r": np.array([-1], np.int64)}
+    # a scale whose products fp16 cannot hold exactly: a half-precision cut is rounded after scaling, as materialize does
+    tier = {"~i": np.array([4, 0, 2], np.int64), "~s": np.array([1.1, -0.3], np.float32), "~r": np.array([-1], np.int64)}
     cuts = [
         Slice("a", "W", ((0, 2), "~i", (1, 3)), scale="~s", pad=(3, 4, 2)),
         Slice("b", "W", (None, (1, 3), (0, 2))),
