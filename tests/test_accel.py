@@ -3,13 +3,13 @@ device-resident batches and ``train.parallel_clients``, all checked on the CPU."
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
@@ -277,16 +277,11 @@ SHIPPED = [("digits-quick", "heterofl", []), ("digits-quick", "nefl", ["train.la
            ("digits-compare", "nefl", []), ("digits-compare-noniid", "heterofl", [])]
 
 
-def at_8x8(name: str, tmp_path: Path) -> str:
+def at_8x8(name: str) -> str:
     """The override that runs config ``name`` on 8x8 digits (their own size; the 16x16 configs do
-    a quarter of the work): its inline spec's ``img_size``, or a copy of the spec file it names."""
-    config = yaml.safe_load(Path(f"specs/train/{name}.yaml").read_text())
-    if not isinstance(config["spec"], str):
-        return "spec.model_args.img_size=8"
-    spec = yaml.safe_load((Path("specs/train") / config["spec"]).read_text())
-    spec["model_args"] = {**spec.get("model_args", {}), "img_size": 8}
-    (tmp_path / "spec-8x8.yaml").write_text(yaml.safe_dump(spec))
-    return f"spec={tmp_path / 'spec-8x8.yaml'}"
+    a quarter of the work): its spec, inline or the file it names, with ``img_size`` 8."""
+    spec = load_config(f"specs/train/{name}.yaml").submodel_spec().model_dump(mode="json", exclude_unset=True)
+    return "spec=" + json.dumps({**spec, "model_args": {**spec["model_args"], "img_size": 8}})
 
 
 @pytest.mark.parametrize("name,method,extra", SHIPPED, ids=[f"{n}-{m}" + "".join(f"-{x.split('=')[1]}" for x in e) for n, m, e in SHIPPED])
@@ -299,7 +294,7 @@ def test_batched_clients_equal_sequential_ones_in_float64_on_every_shipped_confi
     sizes = []
     real = batched.fit_together
     monkeypatch.setattr(batched, "fit_together", lambda locals_, *a: sizes.append(len(locals_)) or real(locals_, *a))
-    overrides = ["rounds=1", "clients.fraction=0.5", "train.local_epochs=1", f"method={method}", *extra, at_8x8(name, tmp_path)]
+    overrides = ["rounds=1", "clients.fraction=0.5", "train.local_epochs=1", f"method={method}", *extra, at_8x8(name)]
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:

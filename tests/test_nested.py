@@ -99,8 +99,8 @@ def test_one_standard_file_per_precision_holds_each_shared_tensor_once(exports):
 
 def test_an_int8_tier_adds_to_the_nested_file_about_what_its_own_file_holds_beside_its_weights(exports):
     """Beyond the shared int8 weights, the nested file holds each tier's graph, scales and biases
-    about as compactly as the tier's own file does (node names, one node per cut, one constant
-    per distinct slice bound): at most 1.10x those bytes of the per-tier files together."""
+    about as compactly as the tier's own file does (no node names, no ``Identity`` after a cut, one
+    constant per distinct slice bound): at most 1.10x those bytes of the per-tier files together."""
     _, _, files, nested = exports
     model = onnx.load(nested / "nested.int8.onnx")
     beyond_shared = model.ByteSize() - sum(t.ByteSize() for t in model.graph.initializer)
@@ -111,6 +111,13 @@ def test_an_int8_tier_adds_to_the_nested_file_about_what_its_own_file_holds_besi
             weights = [t for t in own.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) > 1]
             beside_weights += own.ByteSize() - sum(t.ByteSize() for t in weights)
     assert beyond_shared <= 1.10 * beside_weights
+    for index in range(3):  # unnamed nodes, as in a tier's own file; no Identity but the one giving the branch's output
+        nodes = branch(model, index).node
+        assert not [n.name for n in nodes if n.name] and [n.op_type for n in nodes].count("Identity") == 1, index
+    for index in range(2):  # slice bounds and pads: one int64 constant per value in a branch, however many cuts read it
+        bounds = [tuple(numpy_helper.to_array(t).tolist()) for t in branch(model, index).initializer
+                  if re.fullmatch(r"t\d+/~[-\d_]+", t.name)]
+        assert len(bounds) == len(set(bounds)) > 0, index
 
 
 def test_plain_onnxruntime_runs_every_tier_through_the_documented_inputs(exports):

@@ -2,8 +2,9 @@
 
 :func:`write_onnx` runs ``torch.onnx.export`` (the torch.export path) with the weights inside
 the one file, reusing one operator registry per opset (:func:`reused_torchlib_registry`);
-:func:`activation_bytes_per_sample` reads the largest working set from ONNX shape inference; :func:`cpu_channel_block` names the channel block the CPU kernels prefer
-and :func:`onnx_latency_ms` times a module as export would write it.
+:func:`activation_bytes_per_sample` reads the largest working set from ONNX shape inference;
+:func:`cpu_channel_block` names the channel block the CPU kernels prefer and
+:func:`onnx_latency_ms` times a module as export would write it.
 """
 
 from __future__ import annotations
