@@ -3,7 +3,7 @@ standard ONNX file per precision, ``nested.PREC.onnx``, holding every tier behin
 ``tier`` input) costs and saves against one self-contained file per tier, and what the adaptive
 runtime does under changing CPU load.
 
-Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single ones):
+Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--latency`` run single ones):
 
 1. **Bytes.** The demo run (``runs/demo``; skipped with a note when absent, never trained
    here), ``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``, one automatically nested
@@ -18,9 +18,10 @@ Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single
    FP32 and INT8): max |logit difference| and top-1 agreement nested vs per-tier file (and the
    accuracy of each on the run's digits test split for the demo; random-normal images
    otherwise); latency at batch 1 and 32 of both formats' sessions timed in alternation in one
-   run (``nefl_zoo.timing.interleaved_median_ms``), and in Node (onnxruntime-node from
-   ``web/node_modules``, when installed) the same sessions timed in alternation by a small
-   script; session creation (a fresh ``TierRuntime(folder).session(label)``: the nested file's
+   run (``nefl_zoo.timing.interleaved_median_ms``; three sessions of every file, each its own
+   ``TierRuntime``, the median over them: one session's figure moves by up to ~4% with where its
+   weights lie in memory), and in Node (onnxruntime-node from ``web/node_modules``, when
+   installed) one session per file timed in alternation by a small script; session creation (a fresh ``TierRuntime(folder).session(label)``: the nested file's
    one session against each tier's file); the first result after a tier switch (every session
    created; the first ``run`` on a tier right after runs of its neighbour); resident memory
    (VmRSS, a fresh subprocess per case) of one nested session serving every tier vs one
@@ -45,12 +46,17 @@ Three parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive`` run single
    accuracy of the entries served, static's entry's share, switches per minute, requests,
    and the CPU that this process, its load processes and everything else (other jobs,
    hypervisor steal) took.
+4. **Latency on the other sources** (``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``,
+   the timm CNN and the ViT of part 1, random-normal images): part 2's latency table (both
+   formats, FP32 and INT8, batch 1 and 32, Python with three sessions per file and Node), with
+   the rounds sized so that each batch takes about 40 s per source. Acceptance for parts 2 and
+   4: every tier's nested latency <= 1.10x its own file's, at batch 1 and 32.
 
 Everything runs with one onnxruntime thread (2 shared cores; see docs/benchmarks/nested.md). The
 results go to ``--json`` (default ``benchmarks/results/nested.json``) as well as stdout
 (markdown tables; ``--out`` writes them to a file too).
 
-    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--quick] [--out FILE] [--json FILE]
+    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--latency] [--quick] [--out FILE] [--json FILE]
         [--phase-seconds 15] [--streams 1,128] [--order static,adaptive,adaptive,static] [--deadline-factor 1.25]
         [--percentile P] [--window N] [--headroom H] [--probe-after S] [--max-backoff B] [--recent N] [--min-speedup R]
 """
@@ -77,7 +83,7 @@ import publish
 from bench_quant import machine  # lscpu's model name, CPUs and SIMD flags: one description for both benchmarks
 from nefl_zoo.manifest import Manifest
 from nefl_zoo.runtime import Deadline, TierRuntime
-from nefl_zoo.timing import interleaved_median_ms
+from nefl_zoo.timing import interleaved_median_ms, median_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runs" / "demo"
@@ -96,9 +102,12 @@ VIT_MODEL = {"model": "vit_tiny_16", "model_args": {"num_classes": 10, "img_size
 PRECISIONS = ("fp32", "int8", "fp16")
 TIER_PRECISIONS = ("fp32", "int8")  # parts 2 and 3
 FORMATS = ("files", "nested")
+PARTS = ("bytes", "tiers", "adaptive", "latency")  # parts 1-4, in the order they run
 CALIBRATION_IMAGES = 64  # random-normal images (seed 0) for the spec sources' INT8
 BYTES_TARGET = {"fp32": 1.10, "int8": 1.25}  # nested file <= this x the full tier's own file
 MEMORY_TARGET = 1.3  # one nested session serving every tier <= this x one full-tier session
+LATENCY_TARGET = 1.10  # each tier, nested <= this x its own file, at batch 1 and 32
+SESSIONS = 3  # sessions of every file in the latency tables (one session's figure moves by up to ~4%)
 RANDOM_IMAGES = 256  # part 2's images without the demo run
 LOAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "")}
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -453,6 +462,39 @@ def node_latency(exports: dict[str, Export], entries, rounds: dict[int, int], ca
     return {"version": out["version"], "ms": ms, "load": f"{before} -> {loadavg()}"}
 
 
+def latency_rows(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict[int, int], calls: dict[int, int],
+                 sessions: int) -> dict:
+    """Per tier and batch, ms of both formats' sessions (``TierRuntime(folder).session(label)``)
+    in Python, ``sessions`` sessions of each file (its own ``TierRuntime``) timed in turn with
+    every other (:func:`interleaved_median_ms`; each session one untimed call, then the median of
+    ``calls`` timed ones), the median over the sessions, and onnxruntime-node's (one session
+    per file, half the rounds). Sessions of one file differ by up to ~4% at batch 1 (where the
+    memory of their weights lies), hence several."""
+    runtimes = [{fmt: TierRuntime(exp[fmt].folder, threads=1) for fmt in FORMATS} for _ in range(sessions)]
+    rows = {t.label: {} for t in entries}
+    load = {}
+    for batch, n in rounds.items():
+        feed = {exp["files"].manifest.input.name: np.ascontiguousarray(images[:batch])}
+        fns = {(fmt, t.label, k): (lambda s=rt[fmt].session(t.label): s.run(None, feed))
+               for k, rt in enumerate(runtimes) for t in entries for fmt in FORMATS}
+        before = loadavg()
+        ms = interleaved_median_ms(fns, n, runs=calls[batch], warmup=1, warmup_rounds=5 if batch == 1 else 1)
+        load[batch] = f"{before} -> {loadavg()}"
+        for t in entries:
+            per_session = {fmt: [ms[(fmt, t.label, k)] for k in range(sessions)] for fmt in FORMATS}
+            rows[t.label][f"b{batch}"] = {fmt: statistics.median(v) for fmt, v in per_session.items()}
+            rows[t.label][f"b{batch}_sessions"] = per_session
+    del runtimes
+    gc.collect()
+    node = node_latency(exp, entries, {b: max(n // 2, 3) for b, n in rounds.items()}, calls)
+    if "ms" in node:
+        for t in entries:
+            for batch in rounds:
+                rows[t.label][f"node_b{batch}"] = {fmt: node["ms"][batch][(fmt, t.label)] for fmt in FORMATS}
+        node["ms"] = {b: {f"{fmt}|{label}": v for (fmt, label), v in per.items()} for b, per in node["ms"].items()}
+    return {"rows": rows, "node": node, "load": load, "sessions": sessions}
+
+
 def bench_tiers(exports: Exports, quick: bool) -> dict:
     demo = DEMO.is_dir()
     name, exp = exports.get("demo" if demo else TIER_FALLBACK)
@@ -462,9 +504,7 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
         shape = exp["nested"].manifest.input.shape
         images, labels = np.random.default_rng(1).standard_normal((RANDOM_IMAGES, *shape), dtype=np.float32), None
     runtimes = {fmt: TierRuntime(exp[fmt].folder, threads=1) for fmt in FORMATS}
-    entries = [t for t in exp["files"].manifest.tiers if t.precision in TIER_PRECISIONS]
-    nested_labels = {t.label for t in exp["nested"].manifest.tiers}
-    entries = [t for t in entries if t.label in nested_labels]
+    entries = nested_entries(exp)
     rows = {t.label: {"name": t.name, "precision": t.precision} for t in entries}
 
     # agreement (and accuracy on the demo's test split)
@@ -479,23 +519,9 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
     # latency, both formats interleaved in one run
     rounds = {1: 40 if quick else 200, 32: 10 if quick else 40}
     calls = {1: 3, 32: 1}  # timed calls per session and round, each after one untimed call
-    latency_load = {}
-    for batch, n in rounds.items():
-        feed = {exp["files"].manifest.input.name: np.ascontiguousarray(images[:batch])}
-        fns = {(fmt, t.label): (lambda s=runtimes[fmt].session(t.label): s.run(None, feed)) for t in entries for fmt in FORMATS}
-        before = loadavg()
-        # one untimed call before each session's timed ones: the first run after another session
-        # (or, nested, another tier) is slower (see the switch table)
-        ms = interleaved_median_ms(fns, n, runs=calls[batch], warmup=1, warmup_rounds=5)
-        latency_load[batch] = f"{before} -> {loadavg()}"
-        for t in entries:
-            rows[t.label][f"b{batch}"] = {fmt: ms[(fmt, t.label)] for fmt in FORMATS}
-    node = node_latency(exp, entries, {1: rounds[1] // 2, 32: rounds[32] // 2}, calls)
-    if "ms" in node:
-        for t in entries:
-            for batch in rounds:
-                rows[t.label][f"node_b{batch}"] = {fmt: node["ms"][batch][(fmt, t.label)] for fmt in FORMATS}
-        node["ms"] = {b: {f"{fmt}|{label}": v for (fmt, label), v in per.items()} for b, per in node["ms"].items()}
+    latency = latency_rows(exp, entries, images, rounds, calls, 2 if quick else SESSIONS)
+    for label, per_batch in latency["rows"].items():
+        rows[label].update(per_batch)
 
     # session creation: a fresh TierRuntime and one session; per precision the nested file's
     # (which serves every tier) and each tier's own file, in turn
@@ -562,13 +588,56 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
         })
     memory_load += f" -> {loadavg()}"
     return {"source": name, "demo": demo, "rows": rows, "memory": memory, "rounds": rounds, "calls": calls,
-            "images": len(images), "node": node,
-            "load": {"latency": latency_load, "create": create_load, "switch": switch_load, "memory": memory_load}}
+            "sessions": latency["sessions"], "images": len(images), "node": latency["node"],
+            "load": {"latency": latency["load"], "create": create_load, "switch": switch_load, "memory": memory_load}}
+
+
+def latency_text(rounds: dict, calls: dict, sessions: int, load: dict, node: dict) -> str:
+    """How a latency table was measured."""
+    node_text = (f" Node: onnxruntime-node {node['version']} (web/node_modules), 1 intra-op thread, the same files, one "
+                 f"session each, {max(rounds[1] // 2, 3)} / {max(rounds[32] // 2, 3)} rounds at batch 1 / 32, every case "
+                 f"in turn (its own run; load {node['load']})." if "ms" in node else f" Node: not measured ({node['skipped']}).")
+    return (f"Latency (Python onnxruntime {ort.__version__}, 1 intra-op thread; {sessions} sessions of every file, each "
+            f"its own `TierRuntime`, all of both formats timed in turn, {rounds[1]} rounds at batch 1 and {rounds[32]} at "
+            f"batch 32, each time one untimed call then the median of {calls[1]} (batch 1) / {calls[32]} (batch 32) timed "
+            f"ones; the table gives the median over the rounds, then over the sessions; load average {load[1]} (batch 1), "
+            f"{load[32]} (batch 32)).{node_text}")
+
+
+def latency_table(rows: dict, has_node: bool, source: str | None) -> list[str]:
+    """Markdown rows: per tier, batch 1 and 32 ms of both formats and their ratio (and Node's)."""
+    head = (f"| source " if source else "") + ("| tier | precision | batch 1 ms, file | batch 1 ms, nested | nested / file "
+                                              "| batch 32 ms, file | batch 32 ms, nested | nested / file |")
+    head += " Node b1 ms, file / nested | Node b32 ms, file / nested |" if has_node else ""
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows.values():
+        ratio = {b: r[f"b{b}"]["nested"] / r[f"b{b}"]["files"] for b in (1, 32)}
+        line = (f"{f'| {source} ' if source else ''}| {r['name']} | {r['precision']} | {r['b1']['files']:.3f} "
+                f"| {r['b1']['nested']:.3f} | {ratio[1]:.3f} | {r['b32']['files']:.2f} | {r['b32']['nested']:.2f} "
+                f"| {ratio[32]:.3f} |")
+        if has_node:
+            line += (f" {r['node_b1']['files']:.3f} / {r['node_b1']['nested']:.3f} "
+                     f"| {r['node_b32']['files']:.2f} / {r['node_b32']['nested']:.2f} |")
+        lines.append(line)
+    return lines
+
+
+def latency_verdicts(rows: dict, source: str) -> list[str]:
+    """Per batch: nested / file per precision (min-max) and the slowest tier against the target."""
+    verdicts = []
+    for b in (1, 32):
+        ratio = {label: r[f"b{b}"]["nested"] / r[f"b{b}"]["files"] for label, r in rows.items()}
+        spans = [f"{p} {min(q):.2f}-{max(q):.2f}" for p in TIER_PRECISIONS
+                 if (q := [ratio[label] for label, r in rows.items() if r["precision"] == p])]
+        slowest = max(ratio, key=ratio.get)
+        verdicts.append(f"{source}latency nested / file at batch {b} (Python): {', '.join(spans)}; slowest "
+                        f"{ratio[slowest]:.3f} ({slowest}; target <= {LATENCY_TARGET:.2f}): "
+                        + ("MET" if ratio[slowest] <= LATENCY_TARGET else "NOT MET"))
+    return verdicts
 
 
 def tiers_markdown(result: dict) -> tuple[str, list[str]]:
     rows, rounds, node = result["rows"], result["rounds"], result["node"]
-    has_node = "ms" in node
     demo = result["demo"]
     what = (f"logits and accuracy on the demo run's {result['images']} test images" if demo else
             f"logits on {result['images']} seeded random-normal images (random weights: no accuracy)")
@@ -584,36 +653,8 @@ def tiers_markdown(result: dict) -> tuple[str, list[str]]:
         if demo:
             line += f" {100 * r['acc_files']:.2f}% | {100 * r['acc_nested']:.2f}% |"
         lines.append(line)
-    head = "| tier | precision | batch 1 ms, file | batch 1 ms, nested | nested / file | batch 32 ms, file | batch 32 ms, nested | nested / file |"
-    sep = "|---|---|---|---|---|---|---|---|"
-    if has_node:
-        head += " Node b1 ms, file / nested | Node b32 ms, file / nested |"
-        sep += "---|---|"
-    node_text = (f" Node: onnxruntime-node {node['version']} (web/node_modules), 1 intra-op thread, the same files, "
-                 f"{rounds[1] // 2} / {rounds[32] // 2} rounds at batch 1 / 32, every case in turn (its own run; load "
-                 f"{node['load']})." if has_node else f" Node: not measured ({node['skipped']}).")
-    lines += [
-        "",
-        f"Latency (Python onnxruntime {ort.__version__}, 1 intra-op thread; median of {rounds[1]} rounds at batch 1 and "
-        f"{rounds[32]} at batch 32, every session of both formats timed in turn, each time one untimed call then the "
-        f"median of {result['calls'][1]} (batch 1) / {result['calls'][32]} (batch 32) timed ones; load average "
-        f"{result['load']['latency'][1]} (batch 1), {result['load']['latency'][32]} (batch 32)).{node_text}",
-        "",
-        head,
-        sep,
-    ]
-    worst = {1: (1.0, ""), 32: (1.0, "")}
-    for label, r in rows.items():
-        ratios = {b: r[f"b{b}"]["nested"] / r[f"b{b}"]["files"] for b in (1, 32)}
-        for b, q in ratios.items():
-            if q > worst[b][0] or not worst[b][1]:
-                worst[b] = (q, label)
-        line = (f"| {r['name']} | {r['precision']} | {r['b1']['files']:.3f} | {r['b1']['nested']:.3f} | {ratios[1]:.3f} "
-                f"| {r['b32']['files']:.2f} | {r['b32']['nested']:.2f} | {ratios[32]:.3f} |")
-        if has_node:
-            line += (f" {r['node_b1']['files']:.3f} / {r['node_b1']['nested']:.3f} "
-                     f"| {r['node_b32']['files']:.2f} / {r['node_b32']['nested']:.2f} |")
-        lines.append(line)
+    lines += ["", latency_text(rounds, result["calls"], result["sessions"], result["load"]["latency"], node), "",
+              *latency_table(rows, "ms" in node, source=None)]
     lines += [
         "",
         f"Session creation and switching (ms; creation: a fresh `TierRuntime(folder, threads=1)` and `.session(label)`, "
@@ -658,15 +699,50 @@ def tiers_markdown(result: dict) -> tuple[str, list[str]]:
                         f"full-tier session (target <= {MEMORY_TARGET}): " + ("MET" if ratio <= MEMORY_TARGET else
                         "NOT MET (onnxruntime folds each tier's slices of the shared weights into constants at session "
                         "creation, so every tier's weights are resident)"))
-    for b in (1, 32):
-        q, label = worst[b]
-        spans = []
-        for precision in TIER_PRECISIONS:
-            ratios = [r[f"b{b}"]["nested"] / r[f"b{b}"]["files"] for r in rows.values() if r["precision"] == precision]
-            if ratios:
-                spans.append(f"{precision} {min(ratios):.2f}-{max(ratios):.2f}")
-        verdicts.append(f"latency nested / file at batch {b} (Python): {', '.join(spans)}; slowest {q:.3f} ({label})")
+    verdicts += latency_verdicts(rows, "")
     return "\n".join(lines), verdicts
+
+
+def nested_entries(exp: dict[str, Export]) -> list:
+    """The per-tier files' FP32 and INT8 entries that the nested export also holds."""
+    nested = {t.label for t in exp["nested"].manifest.tiers}
+    return [t for t in exp["files"].manifest.tiers if t.precision in TIER_PRECISIONS and t.label in nested]
+
+
+def bench_latency(exports: Exports, quick: bool) -> dict:
+    """Per-tier latency of both formats on the sources beside the demo run (random-normal images):
+    rounds sized so that each batch takes about ``budget`` seconds per source."""
+    keys = list(SPEC_SOURCES[:1] if quick else SPEC_SOURCES) + ["timm", "vit"]
+    calls, budget, sessions = {1: 3, 32: 1}, (5.0 if quick else 40.0), (2 if quick else SESSIONS)
+    sources = []
+    for key in keys:
+        name, exp = exports.get(key)
+        entries = nested_entries(exp)
+        shape = exp["nested"].manifest.input.shape
+        images = np.random.default_rng(1).standard_normal((32, *shape), dtype=np.float32)
+        full = TierRuntime(exp["files"].folder, threads=1).session(max(entries, key=lambda t: t.macs).label)
+        cases = len(entries) * len(FORMATS) * sessions
+        rounds = {}
+        for batch, most in ((1, 200), (32, 40)):
+            feed = {exp["files"].manifest.input.name: images[:batch]}
+            ms = statistics.median(median_ms(lambda: full.run(None, feed), 1) for _ in range(3))
+            rounds[batch] = int(min(most, max(5, budget * 1e3 / (cases * (calls[batch] + 1) * ms))))
+        del full
+        latency = latency_rows(exp, entries, images, rounds, calls, sessions)
+        rows = {t.label: {"name": t.name, "precision": t.precision, **latency["rows"][t.label]} for t in entries}
+        sources.append({"key": key, "name": name, "rows": rows, "rounds": rounds, "calls": calls, "sessions": sessions,
+                        "node": latency["node"], "load": latency["load"]})
+    return {"sources": sources, "quick": quick}
+
+
+def latency_markdown(result: dict) -> tuple[str, list[str]]:
+    lines, verdicts = [], []
+    for src in result["sources"]:
+        lines += [f"{src['name']}. " + latency_text(src["rounds"], src["calls"], src["sessions"], src["load"], src["node"]),
+                  "", *latency_table(src["rows"], "ms" in src["node"], source=None), ""]
+        verdicts += latency_verdicts(src["rows"], f"{src['name'].split(' (')[0]}: ")
+    return "\n".join(lines).rstrip(), verdicts
+
 
 
 # ---------------------------------------------------------------- part 3: adaptive vs static
@@ -970,6 +1046,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", action="store_true", help="part 1: bytes of the nested file vs per-tier files")
     parser.add_argument("--tiers", action="store_true", help="part 2: per-tier agreement, latency, sessions, memory")
+    parser.add_argument("--latency", action="store_true", help="part 4: per-tier latency on the sources beside the demo run")
     parser.add_argument("--adaptive", action="store_true", help="part 3: adaptive vs static under changing load")
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds, 2 s phases, no mobilenet_v2")
     parser.add_argument("--phase-seconds", type=float, default=15.0, help="part 3: seconds per phase")
@@ -989,7 +1066,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the markdown here")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"the results as JSON (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args()
-    parts = [p for p in ("bytes", "tiers", "adaptive") if getattr(args, p)] or ["bytes", "tiers", "adaptive"]
+    parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     command = "benchmarks/bench_nested.py " + " ".join(sys.argv[1:])
     sections, verdicts = [], []
@@ -1008,6 +1085,10 @@ def main() -> None:
                 result = bench_tiers(exports, args.quick)
                 text, v = tiers_markdown(result)
                 title = "Per tier: nested vs per-tier files"
+            elif part == "latency":
+                result = bench_latency(exports, args.quick)
+                text, v = latency_markdown(result)
+                title = "Latency per tier on the other sources"
             else:
                 result = bench_adaptive(exports, args)
                 text, v = adaptive_markdown(result)
