@@ -3,7 +3,7 @@ standard ONNX file per precision, ``nested.PREC.onnx``, holding every tier behin
 ``tier`` input) costs and saves against one self-contained file per tier, and what the adaptive
 runtime does under changing CPU load.
 
-Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--latency`` run single ones):
+Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--sources`` run single ones):
 
 1. **Bytes.** The demo run (``runs/demo``; skipped with a note when absent, never trained
    here), ``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``, one automatically nested
@@ -46,17 +46,17 @@ Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--latenc
    accuracy of the entries served, static's entry's share, switches per minute, requests,
    and the CPU that this process, its load processes and everything else (other jobs,
    hypervisor steal) took.
-4. **Latency on the other sources** (``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``,
-   the timm CNN and the ViT of part 1, random-normal images): part 2's latency table (both
-   formats, FP32 and INT8, batch 1 and 32, Python with three sessions per file and Node), with
-   the rounds sized so that each batch takes about 40 s per source. Acceptance for parts 2 and
-   4: every tier's nested latency <= 1.10x its own file's, at batch 1 and 32.
+4. **The other sources** (``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``, the timm
+   CNN and the ViT of part 1, random-normal images): part 2's tables but agreement (latency in
+   Python and Node, session creation, the first run after a switch, resident memory), the
+   latency rounds sized so that each batch takes about 40 s per source. Acceptance for parts 2
+   and 4: every tier's nested latency <= 1.10x its own file's, at batch 1 and 32.
 
 Everything runs with one onnxruntime thread (2 shared cores; see docs/benchmarks/nested.md). The
 results go to ``--json`` (default ``benchmarks/results/nested.json``) as well as stdout
 (markdown tables; ``--out`` writes them to a file too).
 
-    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--latency] [--quick] [--out FILE] [--json FILE]
+    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--sources] [--quick] [--out FILE] [--json FILE]
         [--phase-seconds 15] [--streams 1,128] [--order static,adaptive,adaptive,static] [--deadline-factor 1.25]
         [--percentile P] [--window N] [--headroom H] [--probe-after S] [--max-backoff B] [--recent N] [--min-speedup R]
 """
@@ -102,11 +102,12 @@ VIT_MODEL = {"model": "vit_tiny_16", "model_args": {"num_classes": 10, "img_size
 PRECISIONS = ("fp32", "int8", "fp16")
 TIER_PRECISIONS = ("fp32", "int8")  # parts 2 and 3
 FORMATS = ("files", "nested")
-PARTS = ("bytes", "tiers", "adaptive", "latency")  # parts 1-4, in the order they run
+PARTS = ("bytes", "tiers", "adaptive", "sources")  # parts 1-4, in the order they run
 CALIBRATION_IMAGES = 64  # random-normal images (seed 0) for the spec sources' INT8
 BYTES_TARGET = {"fp32": 1.10, "int8": 1.25}  # nested file <= this x the full tier's own file
 MEMORY_TARGET = 1.3  # one nested session serving every tier <= this x one full-tier session
 LATENCY_TARGET = 1.10  # each tier, nested <= this x its own file, at batch 1 and 32
+CALLS = {1: 3, 32: 1}  # timed calls per session and round in the latency tables, each after one untimed call
 SESSIONS = 3  # sessions of every file in the latency tables (one session's figure moves by up to ~4%)
 RANDOM_IMAGES = 256  # part 2's images without the demo run
 LOAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "")}
@@ -505,28 +506,32 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
         images, labels = np.random.default_rng(1).standard_normal((RANDOM_IMAGES, *shape), dtype=np.float32), None
     runtimes = {fmt: TierRuntime(exp[fmt].folder, threads=1) for fmt in FORMATS}
     entries = nested_entries(exp)
-    rows = {t.label: {"name": t.name, "precision": t.precision} for t in entries}
-
-    # agreement (and accuracy on the demo's test split)
+    agreement = {t.label: {} for t in entries}  # (and accuracy on the demo's test split)
     for t in entries:
         out = {fmt: logits_of(runtimes[fmt].session(t.label), images) for fmt in FORMATS}
-        row = rows[t.label]
+        row = agreement[t.label]
         row["max_diff"] = float(np.abs(out["nested"].astype(np.float64) - out["files"]).max())
         row["top1_agreement"] = float((out["nested"].argmax(1) == out["files"].argmax(1)).mean())
         for fmt in FORMATS:
             row[f"acc_{fmt}"] = None if labels is None else float((out[fmt].argmax(1) == labels).mean())
+    del runtimes
+    result = deployment(exp, entries, images, {1: 40 if quick else 200, 32: 10 if quick else 40}, quick)
+    for label, row in result["rows"].items():
+        row.update(agreement[label])
+    return {"source": name, "demo": demo, "images": len(images), **result}
 
-    # latency, both formats interleaved in one run
-    rounds = {1: 40 if quick else 200, 32: 10 if quick else 40}
-    calls = {1: 3, 32: 1}  # timed calls per session and round, each after one untimed call
-    latency = latency_rows(exp, entries, images, rounds, calls, 2 if quick else SESSIONS)
-    for label, per_batch in latency["rows"].items():
-        rows[label].update(per_batch)
+
+def deployment(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict[int, int], quick: bool) -> dict:
+    """Both formats of one source, per tier: latency (:func:`latency_rows`), session creation, the
+    first run after a tier switch, and per precision the resident memory of one nested session
+    serving every tier against one full-tier session and every per-tier session."""
+    latency = latency_rows(exp, entries, images, rounds, CALLS, 2 if quick else SESSIONS)
+    rows = {t.label: {"name": t.name, "precision": t.precision, **latency["rows"][t.label]} for t in entries}
 
     # session creation: a fresh TierRuntime and one session; per precision the nested file's
     # (which serves every tier) and each tier's own file, in turn
     reps = 3 if quick else 7
-    by_precision = {p: [t for t in entries if t.precision == p] for p in TIER_PRECISIONS}
+    by_precision = {p: tiers for p in TIER_PRECISIONS if (tiers := [t for t in entries if t.precision == p])}
     create: dict[tuple[str, str], list[float]] = {}
     create_load = loadavg()
     for _ in range(reps):
@@ -546,6 +551,7 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
 
     # first result after a switch: every session created; neighbour runs, then the timed first run and a second
     x = np.ascontiguousarray(images[:1])
+    runtimes = {fmt: TierRuntime(exp[fmt].folder, threads=1) for fmt in FORMATS}
     for rt in runtimes.values():
         for t in entries:
             rt.session(t.label)
@@ -587,9 +593,10 @@ def bench_tiers(exports: Exports, quick: bool) -> dict:
             "nested_every": rss_kib(exp["nested"].folder, every),
         })
     memory_load += f" -> {loadavg()}"
-    return {"source": name, "demo": demo, "rows": rows, "memory": memory, "rounds": rounds, "calls": calls,
-            "sessions": latency["sessions"], "images": len(images), "node": latency["node"],
+    return {"rows": rows, "memory": memory, "rounds": rounds, "calls": CALLS, "sessions": latency["sessions"],
+            "node": latency["node"],
             "load": {"latency": latency["load"], "create": create_load, "switch": switch_load, "memory": memory_load}}
+
 
 
 def latency_text(rounds: dict, calls: dict, sessions: int, load: dict, node: dict) -> str:
@@ -604,17 +611,16 @@ def latency_text(rounds: dict, calls: dict, sessions: int, load: dict, node: dic
             f"{load[32]} (batch 32)).{node_text}")
 
 
-def latency_table(rows: dict, has_node: bool, source: str | None) -> list[str]:
+def latency_table(rows: dict, has_node: bool) -> list[str]:
     """Markdown rows: per tier, batch 1 and 32 ms of both formats and their ratio (and Node's)."""
-    head = (f"| source " if source else "") + ("| tier | precision | batch 1 ms, file | batch 1 ms, nested | nested / file "
-                                              "| batch 32 ms, file | batch 32 ms, nested | nested / file |")
+    head = ("| tier | precision | batch 1 ms, file | batch 1 ms, nested | nested / file | batch 32 ms, file "
+            "| batch 32 ms, nested | nested / file |")
     head += " Node b1 ms, file / nested | Node b32 ms, file / nested |" if has_node else ""
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows.values():
         ratio = {b: r[f"b{b}"]["nested"] / r[f"b{b}"]["files"] for b in (1, 32)}
-        line = (f"{f'| {source} ' if source else ''}| {r['name']} | {r['precision']} | {r['b1']['files']:.3f} "
-                f"| {r['b1']['nested']:.3f} | {ratio[1]:.3f} | {r['b32']['files']:.2f} | {r['b32']['nested']:.2f} "
-                f"| {ratio[32]:.3f} |")
+        line = (f"| {r['name']} | {r['precision']} | {r['b1']['files']:.3f} | {r['b1']['nested']:.3f} | {ratio[1]:.3f} "
+                f"| {r['b32']['files']:.2f} | {r['b32']['nested']:.2f} | {ratio[32]:.3f} |")
         if has_node:
             line += (f" {r['node_b1']['files']:.3f} / {r['node_b1']['nested']:.3f} "
                      f"| {r['node_b32']['files']:.2f} / {r['node_b32']['nested']:.2f} |")
@@ -637,8 +643,7 @@ def latency_verdicts(rows: dict, source: str) -> list[str]:
 
 
 def tiers_markdown(result: dict) -> tuple[str, list[str]]:
-    rows, rounds, node = result["rows"], result["rounds"], result["node"]
-    demo = result["demo"]
+    rows, demo = result["rows"], result["demo"]
     what = (f"logits and accuracy on the demo run's {result['images']} test images" if demo else
             f"logits on {result['images']} seeded random-normal images (random weights: no accuracy)")
     lines = [
@@ -653,8 +658,15 @@ def tiers_markdown(result: dict) -> tuple[str, list[str]]:
         if demo:
             line += f" {100 * r['acc_files']:.2f}% | {100 * r['acc_nested']:.2f}% |"
         lines.append(line)
-    lines += ["", latency_text(rounds, result["calls"], result["sessions"], result["load"]["latency"], node), "",
-              *latency_table(rows, "ms" in node, source=None)]
+    text, verdicts = deployment_markdown(result)
+    return "\n".join(lines) + "\n\n" + text, verdicts
+
+
+def deployment_markdown(result: dict) -> tuple[str, list[str]]:
+    """The tables of :func:`deployment`: latency, session creation and switching, memory."""
+    rows, node = result["rows"], result["node"]
+    lines = [latency_text(result["rounds"], result["calls"], result["sessions"], result["load"]["latency"], node), "",
+             *latency_table(rows, "ms" in node)]
     lines += [
         "",
         f"Session creation and switching (ms; creation: a fresh `TierRuntime(folder, threads=1)` and `.session(label)`, "
@@ -695,11 +707,11 @@ def tiers_markdown(result: dict) -> tuple[str, list[str]]:
         )
         if any(m[case]["torch"] for case in mib):
             lines.append("(torch was imported by the runtime process)")
-        verdicts.append(f"resident memory, {m['precision']}: one nested session serving every tier = {ratio:.2f}x one "
+        verdicts.append(f"{result['source'].split(' (')[0]}: resident memory, {m['precision']}: one nested session serving every tier = {ratio:.2f}x one "
                         f"full-tier session (target <= {MEMORY_TARGET}): " + ("MET" if ratio <= MEMORY_TARGET else
                         "NOT MET (onnxruntime folds each tier's slices of the shared weights into constants at session "
                         "creation, so every tier's weights are resident)"))
-    verdicts += latency_verdicts(rows, "")
+    verdicts += latency_verdicts(rows, f"{result['source'].split(' (')[0]}: ")
     return "\n".join(lines), verdicts
 
 
@@ -709,11 +721,12 @@ def nested_entries(exp: dict[str, Export]) -> list:
     return [t for t in exp["files"].manifest.tiers if t.precision in TIER_PRECISIONS and t.label in nested]
 
 
-def bench_latency(exports: Exports, quick: bool) -> dict:
-    """Per-tier latency of both formats on the sources beside the demo run (random-normal images):
-    rounds sized so that each batch takes about ``budget`` seconds per source."""
+def bench_sources(exports: Exports, quick: bool) -> dict:
+    """Part 2's latency, sessions and memory (:func:`deployment`) on the sources beside the demo
+    run (random-normal images), the latency rounds sized so that each batch takes about
+    ``budget`` seconds per source."""
     keys = list(SPEC_SOURCES[:1] if quick else SPEC_SOURCES) + ["timm", "vit"]
-    calls, budget, sessions = {1: 3, 32: 1}, (5.0 if quick else 40.0), (2 if quick else SESSIONS)
+    budget, sessions = (5.0 if quick else 40.0), (2 if quick else SESSIONS)
     sources = []
     for key in keys:
         name, exp = exports.get(key)
@@ -726,23 +739,19 @@ def bench_latency(exports: Exports, quick: bool) -> dict:
         for batch, most in ((1, 200), (32, 40)):
             feed = {exp["files"].manifest.input.name: images[:batch]}
             ms = statistics.median(median_ms(lambda: full.run(None, feed), 1) for _ in range(3))
-            rounds[batch] = int(min(most, max(5, budget * 1e3 / (cases * (calls[batch] + 1) * ms))))
+            rounds[batch] = int(min(most, max(5, budget * 1e3 / (cases * (CALLS[batch] + 1) * ms))))
         del full
-        latency = latency_rows(exp, entries, images, rounds, calls, sessions)
-        rows = {t.label: {"name": t.name, "precision": t.precision, **latency["rows"][t.label]} for t in entries}
-        sources.append({"key": key, "name": name, "rows": rows, "rounds": rounds, "calls": calls, "sessions": sessions,
-                        "node": latency["node"], "load": latency["load"]})
+        sources.append({"key": key, "source": name, **deployment(exp, entries, images, rounds, quick)})
     return {"sources": sources, "quick": quick}
 
 
-def latency_markdown(result: dict) -> tuple[str, list[str]]:
-    lines, verdicts = [], []
+def sources_markdown(result: dict) -> tuple[str, list[str]]:
+    texts, verdicts = [], []
     for src in result["sources"]:
-        lines += [f"{src['name']}. " + latency_text(src["rounds"], src["calls"], src["sessions"], src["load"], src["node"]),
-                  "", *latency_table(src["rows"], "ms" in src["node"], source=None), ""]
-        verdicts += latency_verdicts(src["rows"], f"{src['name'].split(' (')[0]}: ")
-    return "\n".join(lines).rstrip(), verdicts
-
+        text, v = deployment_markdown(src)
+        texts.append(f"#### {src['source']}\n\n{text}")
+        verdicts += v
+    return "\n\n".join(texts), verdicts
 
 
 # ---------------------------------------------------------------- part 3: adaptive vs static
@@ -1046,7 +1055,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", action="store_true", help="part 1: bytes of the nested file vs per-tier files")
     parser.add_argument("--tiers", action="store_true", help="part 2: per-tier agreement, latency, sessions, memory")
-    parser.add_argument("--latency", action="store_true", help="part 4: per-tier latency on the sources beside the demo run")
+    parser.add_argument("--sources", action="store_true", help="part 4: part 2's latency, sessions and memory on the other sources")
     parser.add_argument("--adaptive", action="store_true", help="part 3: adaptive vs static under changing load")
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds, 2 s phases, no mobilenet_v2")
     parser.add_argument("--phase-seconds", type=float, default=15.0, help="part 3: seconds per phase")
@@ -1085,10 +1094,10 @@ def main() -> None:
                 result = bench_tiers(exports, args.quick)
                 text, v = tiers_markdown(result)
                 title = "Per tier: nested vs per-tier files"
-            elif part == "latency":
-                result = bench_latency(exports, args.quick)
-                text, v = latency_markdown(result)
-                title = "Latency per tier on the other sources"
+            elif part == "sources":
+                result = bench_sources(exports, args.quick)
+                text, v = sources_markdown(result)
+                title = "The other sources: latency, sessions and memory"
             else:
                 result = bench_adaptive(exports, args)
                 text, v = adaptive_markdown(result)
