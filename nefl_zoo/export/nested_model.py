@@ -6,9 +6,11 @@ chosen tier's ``logits``. Every shared tensor of the global model is stored once
 top-level initializer; each tier is a branch of a balanced tree of ``If`` nodes (depth
 ceil(log2 T)) whose ops cut the tier's weights out of the shared tensors (``Slice``,
 ``Gather``, a ``Mul`` by a folded BatchNorm's per-channel factor, ``Cast``, ``Pad``) and then
-run the tier's own graph; the tier's small tensors (folded biases, step sizes, quantization
-scales) are initializers of its branch, named ``tN/...``. A tier value outside the table fails
-in the ``Gather`` node named ``tier_out_of_range``.
+call the tier's graph, a model-local function (domain ``nefl_zoo.tier``) that every tier of
+the same structure calls, so that the graph too is stored once; the tier's small tensors
+(folded biases, step sizes, quantization scales) are initializers of its branch, named
+``tN/...``, each distinct value once. A tier value outside the table fails in the ``Gather``
+node named ``tier_out_of_range``.
 
 onnxruntime folds the cuts at session creation (their inputs are all constant), so each tier
 runs on constant weights with the same kernels as its own self-contained file. The tier table
@@ -33,12 +35,9 @@ from .onnx_file import INPUT_NAME, OUTPUT_NAME
 from .verify import ExportError
 
 GUARD_NODE = "tier_out_of_range"
+FUNCTION_DOMAIN = "nefl_zoo.tier"  # the model-local functions holding the tiers' graphs
 _CHECKED_TIER = "tier_checked"
 _ONNX_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}
-
-
-def _names(graph: onnx.GraphProto) -> set[str]:
-    return {n for node in graph.node for n in (*node.input, *node.output) if n}
 
 
 def _sorted(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -71,14 +70,18 @@ class _Branch:
     branch (at the top level, they made the full tier of a ResNet20 2x slower than its file),
     and a shared tensor the tier takes whole goes through a one-input ``Concat`` that
     onnxruntime folds into a branch constant (read from the top level, an INT8 ``QLinearConv``
-    repacked its weight on every run: up to 1.9x slower)."""
+    repacked its weight on every run: up to 1.9x slower). The tier's graph is one call of a
+    function in ``functions`` (keyed by the graph's structure, added when new), its arguments
+    the branch's constants and cuts (onnxruntime inlines it when it loads the model)."""
 
-    def __init__(self, index: int, entry: NestedEntry, shared: Mapping[str, np.ndarray]):
+    def __init__(self, index: int, entry: NestedEntry, shared: Mapping[str, np.ndarray],
+                 functions: dict[bytes, onnx.FunctionProto]):
         self.prefix = f"t{index}/"
         self.initializers: list[onnx.TensorProto] = []
-        self._constants: set[str] = set()
+        self._constants: dict[tuple, str] = {}  # (dtype, shape, bytes) -> the branch initializer holding it
         self.nodes: list[onnx.NodeProto] = []
         graph = entry.graph.graph
+        self._local = {graph.input[0].name: INPUT_NAME}  # the tier graph's names -> the branch's
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
             raise ExportError(f"tier {entry.name}: its graph has subgraphs, which a nested model does not nest")
         if entry.graph.functions:
@@ -88,14 +91,7 @@ class _Branch:
             self._literal(name, entry.arrays[name])
         for cut in entry.slices:
             self._cut(cut, shared, entry.arrays)
-        rename = {n: self.prefix + n for n in _names(graph) if n != graph.input[0].name}
-        rename[graph.output[0].name] = self.output
-        for node in _sorted(graph):
-            copy = onnx.NodeProto()
-            copy.CopyFrom(node)
-            copy.input[:] = [INPUT_NAME if n == graph.input[0].name else rename.get(n, n) for n in node.input]
-            copy.output[:] = [rename.get(n, n) for n in node.output]
-            self.nodes.append(copy)
+        self.nodes.append(self._call(graph, list(entry.graph.opset_import), functions))
         self.output_type = graph.output[0].type
 
     @property
@@ -103,19 +99,52 @@ class _Branch:
         return self.prefix + OUTPUT_NAME
 
     def _constant(self, name: str, array: np.ndarray) -> str:
-        """The branch initializer ``name`` (added once, however many cuts read it)."""
-        if self.prefix + name not in self._constants:
-            self._constants.add(self.prefix + name)
-            self.initializers.append(numpy_helper.from_array(np.asarray(array), self.prefix + name))
-        return self.prefix + name
+        """The branch initializer holding ``array`` (named ``name`` when its value is new; one
+        initializer per distinct value, however many tensors of the tier or cuts hold it)."""
+        array = np.asarray(array)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._constants:
+            self._constants[key] = self.prefix + name
+            self.initializers.append(numpy_helper.from_array(array, self.prefix + name))
+        return self._constants[key]
 
     def _literal(self, name: str, array: np.ndarray) -> None:
         """A tensor of the tier's own; with half-precision weights, cast to float32 for the graph."""
         if self.half_weights and array.dtype == np.float16:
             stored = self._constant(f"{name}~half", array)
-            self.nodes.append(helper.make_node("Cast", [stored], [self.prefix + name], to=TensorProto.FLOAT))
+            self._local[name] = self._node("Cast", [stored], self.prefix + name, to=TensorProto.FLOAT)
         else:
-            self._constant(name, array)
+            self._local[name] = self._constant(name, array)
+
+    def _call(self, graph: onnx.GraphProto, opsets: list, functions: dict[bytes, onnx.FunctionProto]) -> onnx.NodeProto:
+        """The node calling the function that runs ``graph``: its body is the graph's nodes with
+        their values renamed in order of use (``x0`` ... for what the graph reads, ``v0`` ... for
+        what it computes), so tiers of one structure give the same body and share its function."""
+        nodes = _sorted(graph)
+        computed = {o for node in nodes for o in node.output}
+        canonical: dict[str, str] = {}
+        arguments: list[str] = []
+
+        def rename(name: str) -> str:
+            if name and name not in canonical:
+                canonical[name] = f"v{len(canonical)}" if name in computed else f"x{len(arguments)}"
+                arguments.extend([] if name in computed else [name])
+            return canonical.get(name, "")
+
+        body = []
+        for node in nodes:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = [rename(n) for n in node.input]
+            copy.output[:] = [rename(n) for n in node.output]
+            body.append(copy)
+        output = rename(graph.output[0].name)
+        key = b"".join(node.SerializeToString() for node in body) + output.encode()
+        if key not in functions:
+            functions[key] = helper.make_function(FUNCTION_DOMAIN, f"tier_graph{len(functions)}",
+                                                  [canonical[n] for n in arguments], [output], body, opsets)
+        return helper.make_node(functions[key].name, [self._local[n] for n in arguments], [self.output],
+                                domain=FUNCTION_DOMAIN)
 
     def _node(self, op: str, inputs: list[str], output: str, **attributes) -> str:
         self.nodes.append(helper.make_node(op, inputs, [output], **attributes))
@@ -161,7 +190,7 @@ class _Branch:
             value = self._node("Concat", [value], self.prefix + step + "whole", axis=0)
         if self.half_weights:
             value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
-        self.nodes[-1].output[0] = self.prefix + cut.name  # the last step makes the tier's tensor
+        self.nodes[-1].output[0] = self._local[cut.name] = self.prefix + cut.name  # the last step makes the tier's tensor
 
 
 def _tree(branches: Sequence[_Branch], lo: int, hi: int, output: str, initializers: list) -> list[onnx.NodeProto]:
@@ -193,7 +222,8 @@ def nested_model(entries: Sequence[NestedEntry], shared: Mapping[str, np.ndarray
     ``shared`` tensors they slice, with the tier table ``metadata`` in ``metadata_props``."""
     if not entries:
         raise ExportError("a nested model needs at least one tier")
-    branches = [_Branch(i, entry, shared) for i, entry in enumerate(entries)]
+    functions: dict[bytes, onnx.FunctionProto] = {}
+    branches = [_Branch(i, entry, shared, functions) for i, entry in enumerate(entries)]
     first = entries[0].graph
     opsets = {(o.domain, o.version) for e in entries for o in e.graph.opset_import}
     if len({domain for domain, _ in opsets}) != len(opsets):
@@ -213,8 +243,9 @@ def nested_model(entries: Sequence[NestedEntry], shared: Mapping[str, np.ndarray
         nodes, "nested", [first.graph.input[0], helper.make_tensor_value_info(TIER_INPUT, TensorProto.INT64, [])],
         [first.graph.output[0]], initializers,
     )
-    model = helper.make_model(graph, opset_imports=list(first.opset_import), ir_version=first.ir_version,
-                              producer_name="nefl-zoo", doc_string=__doc__.split("\n\n")[1].replace("\n", " "))
+    model = helper.make_model(graph, opset_imports=[*first.opset_import, helper.make_opsetid(FUNCTION_DOMAIN, 1)],
+                              functions=list(functions.values()), ir_version=first.ir_version, producer_name="nefl-zoo",
+                              doc_string=__doc__.split("\n\n")[1].replace("\n", " "))
     helper.set_model_props(model, {METADATA_KEY: json.dumps(metadata, separators=(",", ":"))})
     return model
 
