@@ -127,8 +127,11 @@ class _Branch:
 
         def rename(name: str) -> str:
             if name and name not in canonical:
-                canonical[name] = f"v{len(canonical)}" if name in computed else f"x{len(arguments)}"
-                arguments.extend([] if name in computed else [name])
+                if name in computed:
+                    canonical[name] = f"v{len(canonical)}"
+                else:
+                    canonical[name] = f"x{len(arguments)}"
+                    arguments.append(name)
             return canonical.get(name, "")
 
         body = []
