@@ -419,7 +419,7 @@ main().catch((e) => { console.error(e); process.exit(1); });
 """
 
 
-def node_latency(exports: dict[str, Export], entries, rounds: dict[int, int], calls: dict[int, int]) -> dict:
+def node_latency(exports: dict[str, Export], entries, rounds: dict[int, int]) -> dict:
     """onnxruntime-node's ms per (format, label) and batch, or ``{"skipped": why}``."""
     node = shutil.which("node")
     if not node:
@@ -433,7 +433,7 @@ def node_latency(exports: dict[str, Export], entries, rounds: dict[int, int], ca
             entry = exports[fmt].manifest.tier(t.label)
             cases.append({"key": f"{fmt}|{t.label}", "file": str(exports[fmt].folder / entry.file), "tier": entry.index})
     spec = {"input": manifest.input.name, "shape": manifest.input.shape, "cases": cases,
-            "batches": [{"batch": b, "rounds": n, "calls": calls[b], "warmup_rounds": 5} for b, n in rounds.items()]}
+            "batches": [{"batch": b, "rounds": n, "calls": CALLS[b], "warmup_rounds": 5} for b, n in rounds.items()]}
     with tempfile.TemporaryDirectory() as tmp:
         script, spec_path = Path(tmp) / "time_tiers.cjs", Path(tmp) / "spec.json"
         script.write_text(NODE_SCRIPT)
@@ -448,12 +448,22 @@ def node_latency(exports: dict[str, Export], entries, rounds: dict[int, int], ca
     return {"version": out["version"], "ms": ms, "load": f"{before} -> {loadavg()}"}
 
 
-def latency_rows(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict[int, int], calls: dict[int, int],
-                 sessions: int) -> dict:
+def nested_entries(exp: dict[str, Export]) -> list:
+    """The per-tier files' FP32 and INT8 entries that the nested export also holds."""
+    nested = {t.label for t in exp["nested"].manifest.tiers}
+    return [t for t in exp["files"].manifest.tiers if t.precision in TIER_PRECISIONS and t.label in nested]
+
+
+def sessions_of(quick: bool) -> int:
+    """Sessions of every file in the latency tables (two in a quick run)."""
+    return 2 if quick else SESSIONS
+
+
+def latency_rows(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict[int, int], sessions: int) -> dict:
     """Per tier and batch, ms of both formats' sessions (``TierRuntime(folder).session(label)``)
     in Python, ``sessions`` sessions of each file (its own ``TierRuntime``) timed in turn with
     every other (:func:`interleaved_median_ms`; each session one untimed call, then the median of
-    ``calls`` timed ones), the median over the sessions, and onnxruntime-node's (one session
+    :data:`CALLS` timed ones), the median over the sessions, and onnxruntime-node's (one session
     per file, half the rounds). Sessions of one file differ by up to ~4% at batch 1 (where the
     memory of their weights lies), hence several."""
     runtimes = [{fmt: TierRuntime(exp[fmt].folder, threads=1) for fmt in FORMATS} for _ in range(sessions)]
@@ -464,7 +474,7 @@ def latency_rows(exp: dict[str, Export], entries, images: np.ndarray, rounds: di
         fns = {(fmt, t.label, k): (lambda s=rt[fmt].session(t.label): s.run(None, feed))
                for k, rt in enumerate(runtimes) for t in entries for fmt in FORMATS}
         before = loadavg()
-        ms = interleaved_median_ms(fns, n, runs=calls[batch], warmup=1, warmup_rounds=5 if batch == 1 else 1)
+        ms = interleaved_median_ms(fns, n, runs=CALLS[batch], warmup=1, warmup_rounds=5 if batch == 1 else 1)
         load[batch] = f"{before} -> {loadavg()}"
         for t in entries:
             per_session = {fmt: [ms[(fmt, t.label, k)] for k in range(sessions)] for fmt in FORMATS}
@@ -472,7 +482,7 @@ def latency_rows(exp: dict[str, Export], entries, images: np.ndarray, rounds: di
             rows[t.label][f"b{batch}_sessions"] = per_session
     del runtimes
     gc.collect()
-    node = node_latency(exp, entries, {b: max(n // 2, 3) for b, n in rounds.items()}, calls)
+    node = node_latency(exp, entries, {b: max(n // 2, 3) for b, n in rounds.items()})
     if "ms" in node:
         for t in entries:
             for batch in rounds:
@@ -510,7 +520,7 @@ def deployment(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict
     """Both formats of one source, per tier: latency (:func:`latency_rows`), session creation, the
     first run after a tier switch, and per precision the resident memory of one nested session
     serving every tier against one full-tier session and every per-tier session."""
-    latency = latency_rows(exp, entries, images, rounds, CALLS, 2 if quick else SESSIONS)
+    latency = latency_rows(exp, entries, images, rounds, sessions_of(quick))
     rows = {t.label: {"name": t.name, "precision": t.precision, **latency["rows"][t.label]} for t in entries}
 
     # session creation: a fresh TierRuntime and one session; per precision the nested file's
@@ -581,7 +591,6 @@ def deployment(exp: dict[str, Export], entries, images: np.ndarray, rounds: dict
     return {"rows": rows, "memory": memory, "rounds": rounds, "calls": CALLS, "sessions": latency["sessions"],
             "node": latency["node"],
             "load": {"latency": latency["load"], "create": create_load, "switch": switch_load, "memory": memory_load}}
-
 
 
 def latency_text(rounds: dict, calls: dict, sessions: int, load: dict, node: dict) -> str:
@@ -700,18 +709,12 @@ def deployment_markdown(result: dict) -> tuple[str, list[str]]:
     return "\n".join(lines), verdicts
 
 
-def nested_entries(exp: dict[str, Export]) -> list:
-    """The per-tier files' FP32 and INT8 entries that the nested export also holds."""
-    nested = {t.label for t in exp["nested"].manifest.tiers}
-    return [t for t in exp["files"].manifest.tiers if t.precision in TIER_PRECISIONS and t.label in nested]
-
-
 def bench_sources(exports: Exports, quick: bool) -> dict:
     """Part 2's latency, sessions and memory (:func:`deployment`) on the sources beside the demo
     run (random-normal images), the latency rounds sized so that each batch takes about
     ``budget`` seconds per source."""
     keys = list(SPEC_SOURCES[:1] if quick else SPEC_SOURCES) + ["timm", "vit"]
-    budget, sessions = (5.0 if quick else 40.0), (2 if quick else SESSIONS)
+    budget = 5.0 if quick else 40.0
     sources = []
     for key in keys:
         name, exp = exports.get(key)
@@ -719,7 +722,7 @@ def bench_sources(exports: Exports, quick: bool) -> dict:
         shape = exp["nested"].manifest.input.shape
         images = np.random.default_rng(1).standard_normal((32, *shape), dtype=np.float32)
         full = TierRuntime(exp["files"].folder, threads=1).session(max(entries, key=lambda t: t.macs).label)
-        cases = len(entries) * len(FORMATS) * sessions
+        cases = len(entries) * len(FORMATS) * sessions_of(quick)
         rounds = {}
         for batch, most in ((1, 200), (32, 40)):
             feed = {exp["files"].manifest.input.name: images[:batch]}

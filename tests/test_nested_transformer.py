@@ -18,6 +18,7 @@ from nefl_zoo.manifest import load_manifest
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 
+from .support.exports import graphs
 from .test_export import VIT_SPEC, trained_like_state
 
 
@@ -30,16 +31,6 @@ def vit_export(tmp_path_factory):
     export_tiers(ExportSource(compiled, state, "vit"), out, precisions=["fp32"], latency_runs=1, threads=1,
                  format="nested", warn=pytest.fail)
     return compiled, state, out
-
-
-def graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
-    """The main graph and every subgraph under it."""
-    found, todo = [], [model.graph]
-    while todo:
-        graph = todo.pop()
-        found.append(graph)
-        todo.extend(a.g for node in graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
-    return found
 
 
 def read_from(producers: dict[str, onnx.NodeProto], name: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 SPEC = {
@@ -22,6 +23,16 @@ SPEC = {
         {"name": "full"},
     ],
 }
+
+
+def graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The model's main graph and every subgraph under it (a nested model's ``If`` branches)."""
+    found, todo = [], [model.graph]
+    while todo:
+        graph = todo.pop()
+        found.append(graph)
+        todo.extend(a.g for node in graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+    return found
 
 
 def calibration_images(input_size) -> np.ndarray:
