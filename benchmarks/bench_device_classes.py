@@ -38,8 +38,10 @@ import numpy as np
 
 import publish
 
-from nefl_zoo.fl.compare import Entry, compare_methods, time_entries
+from nefl_zoo.fl.compare import Entry, accuracies, compare_methods, time_entries, worst_case
 from nefl_zoo.fl.config import load_config
+from nefl_zoo.fl.device_report import read_records
+from nefl_zoo.fl.engine import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = {"iid": "IID: every class the training set's mix", "label-skew": "label skew by device class",
@@ -64,10 +66,11 @@ def papers_measures(results: dict, treatment: str) -> dict:
     """Per entry, from ``results.json``: the NeFL paper's Worst and Avg and every submodel's accuracy
     (FjORD's p-submodels), % on the test set under ``treatment``, mean and std over the seeds."""
     out = {}
-    for key, runs in results.items():
-        per_seed = [{t: 100 * r["extra"].get(f"{treatment}/{t}", a) for t, a in r["acc"].items()} for r in runs]
-        worst = [acc[r["worst_case"]] for acc, r in zip(per_seed, runs)]
-        stats = {"Worst": worst, "Avg": [float(np.mean(list(acc.values()))) for acc in per_seed],
+    for key, saved in results.items():
+        runs = [RunResult(**r) for r in saved]
+        per_seed = [{t: 100 * a for t, a in accuracies(r, treatment).items()} for r in runs]
+        stats = {"Worst": [worst_case(r, acc) for r, acc in zip(runs, per_seed)],
+                 "Avg": [float(np.mean(list(acc.values()))) for acc in per_seed],
                  **{t: [acc[t] for acc in per_seed] for t in per_seed[0]}}
         out[key] = {k: [float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else 0.0] for k, v in stats.items()}
     return out
@@ -95,8 +98,7 @@ def curves(out: Path, labels: dict, seeds: int, first: int) -> dict:
     simulated time (s, seed means), from the runs' ``metrics.jsonl``."""
     found = {}
     for key in labels:
-        runs = [[json.loads(line) for line in (out / key / f"seed{first + s}" / "metrics.jsonl").read_text().splitlines()]
-                for s in range(seeds)]
+        runs = [read_records(out / key / f"seed{first + s}") for s in range(seeds)]
         evaluated = [[r for r in rs if "worst_device_class" in r] for rs in runs]
         found[key] = {"sim_time_s": np.mean([[r["sim_time_s"] for r in e] for e in evaluated], axis=0).round(1).tolist(),
                       "worst_device_class": (100 * np.mean([[r["worst_device_class"] for r in e] for e in evaluated], axis=0)).round(2).tolist()}
