@@ -21,7 +21,7 @@ import types
 
 from . import plugins
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the package's version (pyproject.toml reads it from here)
 
 
 def _load_nest_sources() -> None:

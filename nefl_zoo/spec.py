@@ -227,7 +227,10 @@ def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
 
 
 def load_spec(path: str | Path) -> SubmodelSpec:
-    """Read a YAML spec file with ``yaml.safe_load`` and validate it."""
+    """Read a YAML spec file, or the shipped spec ``MODEL/NAME`` (``resnet110/nefl-wd``; `nefl-zoo
+    specs` lists them), with ``yaml.safe_load`` and validate it."""
+    if not Path(path).is_file() and Path(path).suffix == "":
+        path = resolve_spec_path(path)
     return parse_spec(userfiles.read_yaml(path, SpecError), str(path))
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec
+from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec, shipped_specs_dir
 from ..userfiles import format_validation_error, parse_yaml, read_yaml
 from .aggregation import AggregationConfig
 from .population import DevicesConfig, read_trace
@@ -40,7 +40,8 @@ MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
 
 
 class RunConfig(Strict):
-    """A whole training run. ``spec`` is a spec file (relative to the config) or a mapping."""
+    """A whole training run. ``spec`` is a spec file (relative to the config), a shipped spec
+    name (``resnet20/nefl-w``) or a mapping."""
 
     name: str = "run"
     method: str = Field("nefl", description="a registered method (`nefl-zoo methods`)")
@@ -80,8 +81,8 @@ class RunConfig(Strict):
             if isinstance(self.spec, dict):
                 self._spec = parse_spec(self.spec, "spec")
             else:
-                path = Path(self.spec)
-                self._spec = load_spec(path if path.is_absolute() else self._base_dir / path)
+                local = self._base_dir / self.spec
+                self._spec = load_spec(local if local.is_file() else self.spec)
         return self._spec
 
     def with_method(self, method: str, seed: int | None = None) -> "RunConfig":
@@ -191,12 +192,43 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
     return config
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML training config, apply ``--set`` overrides and validate it."""
-    path = Path(path)
+def shipped_configs_dir() -> Path:
+    """The folder of the training configs shipped with nefl-zoo (``train/`` of the shipped specs)."""
+    return shipped_specs_dir() / "train"
+
+
+def shipped_configs() -> list[str]:
+    """The names of the shipped training configs (``digits-quick``, ...), sorted."""
+    return sorted(p.stem for p in shipped_configs_dir().glob("*.yaml"))
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A training config file, or the shipped config of that name (``digits-quick``: no folder,
+    no suffix); a one-line :class:`ConfigError` listing the shipped configs for an unknown name."""
+    path = Path(name_or_path)
+    if path.is_file() or path.suffix or len(path.parts) != 1:
+        return path  # a file (read_yaml says what is wrong with it)
+    shipped = shipped_configs_dir() / f"{path.name}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(shipped_configs())
+    raise ConfigError(str(name_or_path), "", f"no such config file or shipped config (shipped: {names})")
+
+
+def load_config(name_or_path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML training config (a file, or a shipped config's name: ``digits-quick``), apply
+    ``--set`` overrides and validate it.
+
+    Relative paths in the config (``spec``, ``data.root``, ``devices.trace``) are resolved
+    against the config's folder; in a shipped config, ``data.root`` and ``devices.trace`` are
+    resolved against the working directory instead, so that data is never looked for or
+    written inside the installed package.
+    """
+    path = resolve_config_path(name_or_path)
     source = str(path)
     data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
     apply_overrides(data, overrides or [], source)
-    return parse_config(data, source, path.parent)
+    shipped = path.resolve().parent == shipped_configs_dir().resolve()
+    return parse_config(data, source, Path.cwd() if shipped else path.parent)

@@ -7,17 +7,19 @@
  *   const { logits, dims } = await model.run("g0.6", images, batch);
  */
 
+import { sha256 } from "@noble/hashes/sha2.js";
+import { bytesToHex } from "@noble/hashes/utils.js";
+
 /** The key of the tier table (JSON) in the ModelProto's metadata_props. */
 export const METADATA_KEY = "nefl_zoo.nested";
 
 const toBytes = (bytes) => (bytes instanceof Uint8Array ? bytes : new Uint8Array(bytes));
 
-/** The SHA-256 of `bytes` (Uint8Array or ArrayBuffer) as lowercase hex, by Web Crypto. */
+/** The SHA-256 of `bytes` (Uint8Array or ArrayBuffer) as lowercase hex. Computed by
+ * `@noble/hashes`, not Web Crypto: a page served over plain HTTP to a phone on the local
+ * network is no secure context and has no `crypto.subtle`. */
 export async function sha256Hex(bytes) {
-  const subtle = globalThis.crypto?.subtle;
-  if (!subtle) throw new Error("sha256: Web Crypto (crypto.subtle) is unavailable (a browser needs a secure context)");
-  const digest = new Uint8Array(await subtle.digest("SHA-256", toBytes(bytes)));
-  return Array.from(digest, (b) => b.toString(16).padStart(2, "0")).join("");
+  return bytesToHex(sha256(toBytes(bytes)));
 }
 
 /** The protobuf fields of `bytes[start, end)` as `[field, wireType, value]`: a number for

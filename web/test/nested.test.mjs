@@ -9,7 +9,7 @@ import { test } from "node:test";
 
 import * as ort from "onnxruntime-node";
 
-import { entryLabel, loadManifestEntry, loadNestedModel, manifestFiles, readNestedMetadata, sha256Hex } from "../lib/nested.mjs";
+import { entryLabel, loadManifestEntry, loadNestedModel, manifestFiles, readNestedMetadata, sha256Hex } from "nefl-zoo-web/nested";
 
 const { NEFL_EXPORT_DIR: DIR, NEFL_CASES } = process.env;
 const SKIP = DIR && NEFL_CASES ? false : "NEFL_EXPORT_DIR and NEFL_CASES are not set (tests/test_node.py sets them)";
