@@ -356,23 +356,6 @@ def url_of(server: Server) -> str:
     return f"{'https' if server.tls else 'http'}://{shown}:{port}/"
 
 
-def tls_context(tls: bool, cert: Path | None, key: Path | None, host: str) -> tuple[ssl.SSLContext | None, str | None]:
-    """The TLS context ``serve``'s options ask for and the certificate's fingerprint (``None,
-    None`` for plain HTTP); :class:`ServeError` for a certificate that cannot be used."""
-    from . import tls as certificates
-
-    if (cert is None) != (key is None):
-        raise ServeError("--cert and --key: give both (a certificate and its private key), or neither")
-    if cert is None and not tls:
-        return None, None
-    if cert is None:
-        cert, key = certificates.self_signed(certificates.certificate_names(host))
-    try:
-        return certificates.server_context(cert, key), certificates.fingerprint(cert)
-    except (ssl.SSLError, ValueError, OSError) as exc:
-        raise ServeError(f"--cert {cert} --key {key}: not a PEM certificate and its private key ({exc})") from None
-
-
 def serve(
     export_dir: Path = typer.Argument(..., help="the export folder (manifest.json and the nested .onnx files)"),
     host: str = typer.Option("127.0.0.1", help="host name or IP address to listen on (default: this machine only)"),
@@ -394,10 +377,12 @@ def serve(
     number("--samples", samples, 1, MAX_SAMPLES, integer=True)  # a ValueError is one line, exit 2 (guarded)
     number("--port", port, 0, MAX_PORT, integer=True)
     checked_host("--host", host)
+    from .tls import options_context
+
     try:
-        context, fingerprint = tls_context(tls, cert, key, host)
+        context, fingerprint = options_context(tls, cert, key, host)
         server = make_server(export_dir, host, port, samples, quiet=not log, tls=context)
-    except (ServeError, ManifestError) as exc:
+    except (ServeError, ManifestError, ValueError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"--host {host} --port {port}: cannot listen ({exc.strerror or exc}); --port 0 takes any free port") from None
@@ -421,4 +406,4 @@ def register(app: typer.Typer) -> None:
     app.command()(guarded(serve))
 
 
-__all__ = ["Site", "ServeError", "make_server", "register", "serve", "tls_context", "url_of", "web_roots"]
+__all__ = ["Site", "ServeError", "make_server", "register", "serve", "url_of", "web_roots"]

@@ -103,4 +103,19 @@ def server_context(cert_path: Path, key_path: Path) -> ssl.SSLContext:
     return context
 
 
-__all__ = ["cache_folder", "certificate_names", "fingerprint", "self_signed", "server_context"]
+def options_context(tls: bool, cert: Path | None, key: Path | None, host: str) -> tuple[ssl.SSLContext | None, str | None]:
+    """The TLS context ``serve``'s options ask for and its certificate's fingerprint (``None,
+    None``: plain HTTP); a one-line ``ValueError`` for a certificate that cannot be used."""
+    if (cert is None) != (key is None):
+        raise ValueError("--cert and --key: give both (a certificate and its private key), or neither")
+    if cert is None and not tls:
+        return None, None
+    if cert is None:
+        cert, key = self_signed(certificate_names(host))
+    try:
+        return server_context(cert, key), fingerprint(cert)
+    except (ssl.SSLError, ValueError, OSError) as exc:
+        raise ValueError(f"--cert {cert} --key {key}: not a PEM certificate and its private key ({exc})") from None
+
+
+__all__ = ["cache_folder", "certificate_names", "fingerprint", "options_context", "self_signed", "server_context"]
