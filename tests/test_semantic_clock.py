@@ -76,7 +76,7 @@ def test_a_late_client_is_neither_trained_nor_aggregated(tmp_path, monkeypatch):
 @pytest.mark.parametrize("edge, speed, memory_mb", [
     ("deadline", 449e6, 64),  # g1: 449 x 1e6 / 449e6 + 2 x 5e5 / 1e6 = 2.0 s, the deadline itself
     ("memory", 449e9, 4),  # 4 MiB: g1's training memory exactly
-])
+], ids=["deadline", "memory"])
 def test_the_tier_offered_at_the_edge_is_the_tier_the_round_trains(tmp_path, monkeypatch, edge, speed, memory_mb):
     """A device that fits the largest tier exactly (its round time equal to the deadline, or its
     memory equal to the tier's) is offered that tier by ``available()``, trains it, and arrives:
@@ -153,7 +153,7 @@ def trace_clock(tmp_path, offline_at, policy):
     ("wait_all", 1.0, "lost", 1.2),  # offline before client 1 arrives (1.2 s): the round ends with that arrival
     ("deadline", 3.0, "late", 2.0),  # the round ended at the deadline with it online and working: dropped as late
     ("deadline", 1.0, "lost", 2.0),  # offline before the deadline: lost
-])
+], ids=["wait_all-3.0", "wait_all-1.0", "deadline-3.0", "deadline-1.0"])
 def test_a_client_leaving_before_its_finish_is_lost_and_the_round_ends_as_the_policy_says(tmp_path, policy, offline_at, status, duration_s):
     """Of three clients online, client 0 trains g1 for 4.8 s (100 x 4e6 / 1e8 + 2 x 4e5 / 1e6), client 1 g0.25 for 1.2 s.
     ``wait_all`` waits for every client still online: one that goes offline before it finishes

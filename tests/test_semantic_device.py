@@ -11,7 +11,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("precision, dtype, scaled", [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                                      ("fp16", torch.float16, True)])
+                                                      ("fp16", torch.float16, True)], ids=["fp32", "bf16", "fp16"])
 def test_each_precision_computes_in_its_dtype_and_only_fp16_scales_its_gradients(precision, dtype, scaled):
     """A matrix product inside the placement's autocast comes out in the precision's dtype (fp32:
     no autocast at all); fp16, whose gradients underflow, gets a gradient scaler, bf16 (float32's
