@@ -21,9 +21,10 @@ def tier(file, name="full", precision="fp32", index=0) -> dict:
 
 
 def site(tmp_path: Path, name: str = "export") -> tuple[Path, Path]:
-    """A web/ folder (page, lib, onnxruntime-web's dist) and an empty export folder ``name``."""
+    """A web/ folder (page, lib, onnxruntime-web's dist, @noble/hashes) and an empty export folder ``name``."""
     web = tmp_path / "web"
-    for file in ("page/index.html", "page/app.mjs", "lib/nested.mjs", "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs"):
+    for file in ("page/index.html", "page/app.mjs", "lib/nested.mjs", "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs",
+                 "node_modules/@noble/hashes/sha2.js"):
         (web / file).parent.mkdir(parents=True, exist_ok=True)
         (web / file).write_text(f"// {file}")
     export = tmp_path / name
