@@ -88,7 +88,11 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 class Normalization(_Strict):
-    """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1]."""
+    """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1].
+
+    Attributes:
+        mean: per channel.
+    """
 
     mean: list[float] = Field(min_length=1)
     std: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="per channel, > 0")
@@ -101,7 +105,16 @@ class Normalization(_Strict):
 
 
 class InputSpec(_Strict):
-    """The model input: one batch of images."""
+    """The model input: one batch of images.
+
+    Attributes:
+        name: the ONNX input's name (``input``).
+        dtype: always ``float32``.
+        layout: always ``NCHW``.
+        normalization: what to apply to pixels in [0, 1]; ``null``: none (the training
+            standardised the images from the data, as for digits).
+        dataset: the dataset the model was trained on, when known.
+    """
 
     name: str = Field(min_length=1)
     shape: list[Positive] = Field(min_length=3, max_length=3, description="[C, H, W]")
@@ -122,14 +135,27 @@ class InputSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    """The model output: logits of shape [batch, num_classes]."""
+    """The model output: logits of shape [batch, num_classes].
+
+    Attributes:
+        name: the ONNX output's name (``logits``).
+        num_classes: the logits per image.
+    """
 
     name: str = Field(min_length=1)
     num_classes: Positive
 
 
 class Machine(_Strict):
-    """Where a latency was measured."""
+    """Where a latency was measured.
+
+    Attributes:
+        processor: the CPU's name.
+        platform: the operating system.
+        cpu_count: logical CPUs.
+        onnxruntime: onnxruntime's version.
+        provider: the execution provider that ran the model.
+    """
 
     processor: str
     platform: str
@@ -139,7 +165,14 @@ class Machine(_Strict):
 
 
 class Latency(_Strict):
-    """Median wall time of one ``session.run`` on a batch of ``batch`` inputs."""
+    """Median wall time of one ``session.run`` on a batch of ``batch`` inputs.
+
+    Attributes:
+        median_ms: the median, in milliseconds.
+        batch: the batch it was measured at.
+        runs: timed runs.
+        machine: where it was measured.
+    """
 
     median_ms: NonNegative
     batch: Positive
@@ -149,7 +182,11 @@ class Latency(_Strict):
 
 
 class Agreement(_Strict):
-    """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images."""
+    """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images.
+
+    Attributes:
+        images: the verification images compared.
+    """
 
     images: Positive
     top1_agreement: Fraction = Field(description="share of images given the FP32 file's top-1 class")
@@ -158,7 +195,13 @@ class Agreement(_Strict):
 
 
 class Calibration(_Strict):
-    """The images an INT8 file's activation ranges were calibrated on."""
+    """The images an INT8 file's activation ranges were calibrated on.
+
+    Attributes:
+        method: the calibration method (onnxruntime's, e.g. ``MinMax``).
+        images: how many images.
+        source: where they came from.
+    """
 
     method: str = Field(min_length=1)
     images: Positive
@@ -166,7 +209,12 @@ class Calibration(_Strict):
 
 
 class PackageFile(_Strict):
-    """One file of an export, next to the manifest."""
+    """One file of an export, next to the manifest.
+
+    Attributes:
+        sha256: the file's SHA-256, checked before it is used.
+        bytes: the file's size.
+    """
 
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(onnx|safetensors)$", description="next to the manifest")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -174,7 +222,28 @@ class PackageFile(_Strict):
 
 
 class TierEntry(_Strict):
-    """One exported (tier, precision): its file, what it costs and how it was checked."""
+    """One exported (tier, precision): its file, what it costs and how it was checked.
+
+    Attributes:
+        name: the tier's name.
+        precision: ``fp32``, ``int8`` or ``fp16``.
+        sha256: the file's SHA-256, checked before onnxruntime reads it.
+        params: the tier's parameters.
+        params_ratio: its parameters over the full tier's.
+        macs: its MACs per image (fvcore).
+        macs_ratio: its MACs over the full tier's.
+        gamma: its nominal parameter ratio, when the spec gives one.
+        gamma_w: its width parameter ratio.
+        blocks_per_stage: the residual blocks it keeps, per stage.
+        accuracy: its test accuracy, when measured.
+        batchnorm_folded: whether BatchNorm was folded into the convolutions.
+        max_abs_diff: the largest logit difference from PyTorch at export.
+        vs_fp32: how an INT8/FP16 file agrees with the FP32 one.
+        calibration: the images INT8 was calibrated on.
+        weights_mb: the tier's own self-contained model's bytes, in MB.
+        activation_mb_per_sample: the largest activation per image, in MB.
+        latency: the latency measured at export.
+    """
 
     name: str = Field(min_length=1)
     precision: Precision = "fp32"
@@ -211,12 +280,35 @@ class TierEntry(_Strict):
 
     def memory_mb(self, batch: int = 1) -> float:
         """Estimated memory to run a batch: weights plus the largest activation per sample
-        times the batch (a lower bound of onnxruntime's peak, which also holds buffers)."""
+        times the batch (a lower bound of onnxruntime's peak, which also holds buffers).
+
+        Args:
+            batch: the batch size.
+
+        Returns:
+            The estimate, in MB.
+        """
         return self.weights_mb + self.activation_mb_per_sample * batch
 
 
 class Manifest(_Strict):
-    """All tiers of one exported model."""
+    """All tiers of one exported model: what ``manifest.json`` holds.
+
+    Read one with :func:`load_manifest`.
+
+    Attributes:
+        schema_version: the format's version (1 to 5).
+        format: ``nested`` (one file per precision) or ``files`` (one per tier and precision).
+        model: the model's name.
+        model_args: its ``create_model`` arguments.
+        source: what was exported (a run directory or a spec).
+        created_by: the nefl-zoo version that wrote it.
+        opset: the ONNX opset.
+        input: the model's input.
+        output: the model's output.
+        class_names: the class of each logit, when known.
+        tiers: every exported (tier, precision) entry.
+    """
 
     schema_version: Literal[1, 2, 3, 4, 5]
     format: Format = "files"
@@ -286,8 +378,18 @@ class Manifest(_Strict):
 
     def tier(self, name: str, precision: str | None = None) -> TierEntry:
         """The entry of tier ``name`` at ``precision``; without one, the entry labelled
-        ``name`` (``g1``, ``g1:int8``), else the tier's only entry. ``KeyError`` naming what
-        exists otherwise."""
+        ``name`` (``g1``, ``g1:int8``), else the tier's only entry.
+
+        Args:
+            name: a tier name, or an entry's label.
+            precision: ``fp32``, ``int8`` or ``fp16``.
+
+        Returns:
+            The entry.
+
+        Raises:
+            KeyError: no such tier, or not at that precision; the message names what exists.
+        """
         if precision is None:
             for entry in self.tiers:
                 if entry.label == name:
@@ -304,7 +406,18 @@ class Manifest(_Strict):
 
 
 def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
-    """Validate loaded manifest data; :class:`ManifestError` names the first bad field."""
+    """Validate loaded manifest data; :class:`ManifestError` names the first bad field.
+
+    Args:
+        data: the manifest, as loaded from JSON.
+        source: where it came from, named in errors.
+
+    Returns:
+        The validated manifest.
+
+    Raises:
+        ManifestError: the first problem, as ``SOURCE: FIELD: what was expected``.
+    """
     if not isinstance(data, dict):
         raise ManifestError(source, "", f"expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
@@ -329,7 +442,17 @@ def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    """Read and validate ``manifest.json`` (or the one inside a directory)."""
+    """Read and validate ``manifest.json`` (or the one inside a directory).
+
+    Args:
+        path: the manifest, or the export directory that holds it.
+
+    Returns:
+        The validated manifest.
+
+    Raises:
+        ManifestError: an unreadable or invalid manifest, in one line naming the field.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
@@ -337,7 +460,14 @@ def load_manifest(path: str | Path) -> Manifest:
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    """Hex SHA-256 of a file, read in 1 MiB chunks.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The digest, 64 hex digits.
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -178,6 +178,11 @@ def schema_reference(target: str) -> str:
     return "\n\n".join(_model_table(title, nodes[title], key) for title, key in found_at.items()) + "\n"
 
 
+# A docstring's first Google section (pydantic takes a model's docstring as its description):
+# the tables show the text before it; the Python API pages show the rest.
+SECTION = re.compile(r"^(?:Args|Attributes|Examples?|Raises|Returns|Yields):[ \t]*$", re.MULTILINE)
+
+
 def _model_table(title: str, node: dict, key: str) -> str:
     required = set(node.get("required", ()))
     rows = []
@@ -185,7 +190,7 @@ def _model_table(title: str, node: dict, key: str) -> str:
         default = "required" if field in required else (f"`{json.dumps(spec['default'])}`" if "default" in spec else "")
         rows.append(f"| `{field}` | {_type(spec)} | {default} | {_cell_text(spec.get('description', ''))} |")
     extra = "" if node.get("additionalProperties", True) else "\n\nOther keys are refused."
-    description = node.get("description", "").strip()
+    description = SECTION.split(node.get("description", ""), 1)[0].strip()
     head = f"### {title}\n\n" + (f"At `{key}`. " if key else "") + (f"{description}\n\n" if description else "\n\n")
     if not rows:
         return head + "No fields." + extra
