@@ -152,11 +152,15 @@ def test_the_reference_has_examples():
 
 
 @pytest.mark.parametrize("obj", EXAMPLES, ids=[obj.path for obj in EXAMPLES])
-def test_docstring_examples_run(obj, tmp_path, monkeypatch):
-    """Each docstring's ``>>>`` example, run by doctest in a fresh namespace (in a temporary
-    working directory holding the repository's specs/)."""
+def test_docstring_examples_run(obj, tmp_path, monkeypatch, request):
+    """Each docstring's ``>>>`` example, run by doctest in a fresh namespace, in a temporary
+    working directory holding the repository's ``specs/`` and, for the examples that read it,
+    ``exports/tiers``: the suite's shared export of three tiers (``nested_export_dir``)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "specs").symlink_to(ROOT / "specs")
+    if "exports/tiers" in obj.docstring.value:
+        (tmp_path / "exports").mkdir()
+        (tmp_path / "exports" / "tiers").symlink_to(request.getfixturevalue("nested_export_dir"))
     module = importlib.import_module(obj.module.path)
     test = doctest.DocTestParser().get_doctest(obj.docstring.value, {"__name__": module.__name__}, obj.path,
                                                str(obj.filepath), obj.docstring.lineno)
