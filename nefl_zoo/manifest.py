@@ -10,22 +10,25 @@ precisions, every entry FP32) are read as well, except version 3's nested packag
 refused (re-export)::
 
     schema_version   5 (1, 2, 3 and 4 are still read)
-    format           "files" (default: one self-contained .onnx file per entry) or "nested"
-                     (one standard .onnx file per precision holding every tier, chosen by its
-                     int64 ``tier`` input; see nefl_zoo.runtime.nested)
+    format           "files" (default: one self-contained .onnx file per entry) or
+                     "nested" (one standard .onnx file per precision holding every
+                     tier, chosen by its int64 ``tier`` input; see
+                     nefl_zoo.runtime.nested)
     model            zoo model name; model_args: its create_model kwargs
     source           what was exported (spec file or run directory)
     created_by       "nefl-zoo VERSION"
     opset            ONNX opset of every file
     input            name, shape [C, H, W], dtype "float32", layout "NCHW",
                      batch (null = dynamic batch dimension, else the fixed batch size),
-                     normalization {mean, std} per channel (nullable: raw [0, 1] pixels),
+                     normalization {mean, std} per channel (nullable: raw [0, 1]
+                     pixels),
                      dataset (nullable)
     output           name, num_classes
     class_names      list (nullable)
     tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
-                     "fp16"; default fp32), file (relative to the manifest; nested: the
-                     nested model of its precision, shared by its entries), sha256, index
+                     "fp16"; default fp32), file (relative to the manifest; nested:
+                     the nested model of its precision, shared by its entries),
+                     sha256, index
                      (nested only: the entry's ``tier`` input value, 0 .. T-1 per file),
                      bytes (the file's size, compared with the file before it is read;
                      required from version 5),
@@ -40,7 +43,8 @@ refused (re-export)::
                      vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
                      max_abs_diff, relative_error} against the tier's FP32 file),
                      calibration (nullable; INT8: {method, images, source}),
-                     weights_mb (the tier's own self-contained model's bytes / 2**20), activation_mb_per_sample,
+                     weights_mb (the tier's own self-contained model's bytes /
+                     2**20), activation_mb_per_sample,
                      latency {median_ms, batch, runs, threads (nullable: onnxruntime's
                      default, one per physical core), machine {processor, platform,
                      cpu_count, onnxruntime, provider}}
