@@ -40,7 +40,23 @@ MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
 
 
 class RunConfig(Strict):
-    """A whole training run. ``spec`` is a spec file (relative to the config) or a mapping."""
+    """A whole training run. ``spec`` is a spec file (relative to the config) or a mapping.
+
+    Attributes:
+        name: the run's name (the default run directory is ``runs/NAME-METHOD-sSEED``).
+        rounds: the rounds to train.
+        spec: a spec file (relative to the config) or an inline spec.
+        data: the dataset and how it is split among the clients.
+        clients: the clients, the share sampled each round and their environment.
+        train: local training: epochs, batch, optimiser, schedule, device.
+        eval: evaluation: how often, on what, with which BatchNorm statistics.
+
+    Examples:
+        >>> from nefl_zoo.fl import load_config
+        >>> config = load_config("specs/train/digits-quick.yaml", ["rounds=2"])
+        >>> config.method, config.rounds, config.submodel_spec().model
+        ('nefl', 2, 'resnet20')
+    """
 
     name: str = "run"
     method: str = Field("nefl", description="a registered method (`nefl-zoo methods`)")
@@ -75,7 +91,11 @@ class RunConfig(Strict):
         return self
 
     def submodel_spec(self) -> SubmodelSpec:
-        """The spec, loaded from its file or validated from the inline mapping (once)."""
+        """The spec, loaded from its file or validated from the inline mapping (once).
+
+        Returns:
+            The validated spec.
+        """
         if self._spec is None:
             if isinstance(self.spec, dict):
                 self._spec = parse_spec(self.spec, "spec")
@@ -86,21 +106,40 @@ class RunConfig(Strict):
 
     def with_method(self, method: str, seed: int | None = None) -> "RunConfig":
         """This config for another method (its default ``method_args`` unless it is this
-        config's own method) and optionally another seed."""
+        config's own method) and optionally another seed.
+
+        Args:
+            method: a registered method's name.
+            seed: another seed (default: this config's).
+
+        Returns:
+            A copy of this config.
+        """
         update = {"method": method, "seed": self.seed if seed is None else seed}
         if method != self.method:
             update["method_args"] = {}
         return self.model_copy(update=update)
 
     def build_strategy(self) -> Strategy:
-        """The method's strategy object, set up from this config."""
+        """The method's strategy object, set up from this config.
+
+        Returns:
+            The strategy.
+        """
         run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval,
                   self.data.model_copy(update={"root": str(self.data_root())}), self.aggregation)
         return get_method(self.method)(run, parse_settings(self.method, self.method_args))
 
     def placement(self) -> "Placement":
         """Where clients train and models are evaluated (``train.device`` resolved on this machine,
-        ``train.precision``); a one-line :class:`ConfigError` when the device is absent."""
+        ``train.precision``).
+
+        Returns:
+            The placement.
+
+        Raises:
+            ConfigError: the device is absent, in one line.
+        """
         from .device import DeviceError, Placement
 
         try:
@@ -109,11 +148,20 @@ class RunConfig(Strict):
             raise ConfigError(self._source, "train.device", str(exc)) from None
 
     def data_root(self) -> Path:
+        """``data.root``, relative to the config's folder unless absolute.
+
+        Returns:
+            The folder the datasets are read from.
+        """
         root = Path(self.data.root)
         return root if root.is_absolute() else self._base_dir / root
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON/YAML-safe dict with the spec inlined, so a run directory is self-contained."""
+        """A JSON/YAML-safe dict with the spec inlined, so a run directory is self-contained.
+
+        Returns:
+            The config, with every default filled in.
+        """
         out = self.model_dump(mode="json")
         out["method_args"] = parse_settings(self.method, self.method_args).model_dump(mode="json")
         out["spec"] = self.submodel_spec().model_dump(mode="json", exclude_none=True)
@@ -153,7 +201,27 @@ def _format(source: str, exc: ValidationError) -> ConfigError:
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
-    """Validate a config mapping; raise :class:`ConfigError` on the first problem (the spec too)."""
+    """Validate a config mapping; raise :class:`ConfigError` on the first problem (the spec too).
+
+    Args:
+        data: the config, as a mapping (what a YAML config file holds).
+        source: where it came from, named in errors.
+        base_dir: the folder relative paths (the spec, ``data.root``) are resolved against.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: the first problem, as ``SOURCE: FIELD: what to fix``.
+
+    Examples:
+        >>> from nefl_zoo.fl import ConfigError, parse_config
+        >>> try:
+        ...     parse_config({"spec": "specs/resnet20/nefl-w.yaml", "rounds": 0})
+        ... except ConfigError as error:
+        ...     print(error)
+        <config>: rounds: Input should be greater than or equal to 1
+    """
     if not isinstance(data, dict):
         raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
     for (section, key), target in MOVED.items():
@@ -192,7 +260,18 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML training config, apply ``--set`` overrides and validate it."""
+    """Read a YAML training config, apply ``--set`` overrides and validate it.
+
+    Args:
+        path: the config file.
+        overrides: ``KEY=VALUE`` strings, as ``--set`` takes them (the value is YAML).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: an unreadable file, a bad override or an invalid config, in one line.
+    """
     path = Path(path)
     source = str(path)
     data = read_yaml(path, ConfigError)
