@@ -14,6 +14,9 @@ checked:
 
 An object is public as the site shows it: a module's ``__all__`` where it has one, else its
 names without a leading underscore; a class's own members without one.
+
+The objects are read once, by the tests that need them (not at collection: every xdist
+worker collects every file), and each test reports every object at fault.
 """
 
 from __future__ import annotations
@@ -76,13 +79,15 @@ def _public(obj) -> list:
     return out
 
 
-OBJECTS = _load()
+@pytest.fixture(scope="module")
+def objects() -> list:
+    return _load()
 
 
-def test_the_reference_renders_the_package():
+def test_the_reference_renders_the_package(objects):
     """The walk finds what the pages render (an empty walk would pass every check)."""
-    paths = {obj.path for obj in OBJECTS}
-    assert len(OBJECTS) > 150
+    paths = {obj.path for obj in objects}
+    assert len(objects) > 150
     assert {"nefl_zoo.slim.compiler.compile_spec", "nefl_zoo.runtime.tiers.TierRuntime.run",
             "nefl_zoo.fl.aggregate.nefedavg", "nefl_zoo.export.tiers.export_tiers"} <= paths
 
@@ -114,9 +119,10 @@ def problems(obj) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("obj", OBJECTS, ids=[obj.path for obj in OBJECTS])
-def test_every_public_callable_documents_its_arguments_and_returns(obj):
-    assert not problems(obj), f"{obj.path} ({obj.relative_filepath}:{obj.lineno}): " + "; ".join(problems(obj))
+def test_every_public_callable_documents_its_arguments_and_returns(objects):
+    found = [f"{obj.path} ({obj.relative_filepath}:{obj.lineno}): " + "; ".join(problems(obj))
+             for obj in objects if problems(obj)]
+    assert not found, f"{len(found)} objects of the API reference are not documented:\n" + "\n".join(found)
 
 
 def test_the_check_finds_what_is_missing():
@@ -147,27 +153,24 @@ def silent(a) -> None:
     assert problems(module["silent"]) == ["no docstring"]
 
 
-EXAMPLES = [obj for obj in OBJECTS if obj.docstring and ">>>" in obj.docstring.value]
-
-
-def test_the_reference_has_examples():
-    assert len(EXAMPLES) >= 30
-
-
-@pytest.mark.parametrize("obj", EXAMPLES, ids=[obj.path for obj in EXAMPLES])
-def test_docstring_examples_run(obj, tmp_path, monkeypatch, request):
+def test_docstring_examples_run(objects, tmp_path_factory, monkeypatch, request):
     """Each docstring's ``>>>`` example, run by doctest in a fresh namespace, in a temporary
-    working directory holding the repository's ``specs/`` and, for the examples that read it,
-    ``exports/tiers``: the suite's shared export of three tiers (``nested_export_dir``)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "specs").symlink_to(ROOT / "specs")
-    if "exports/tiers" in obj.docstring.value:
-        (tmp_path / "exports").mkdir()
-        (tmp_path / "exports" / "tiers").symlink_to(request.getfixturevalue("nested_export_dir"))
-    module = importlib.import_module(obj.module.path)
-    test = doctest.DocTestParser().get_doctest(obj.docstring.value, {"__name__": module.__name__}, obj.path,
-                                               str(obj.filepath), obj.docstring.lineno)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    working directory of its own holding the repository's ``specs/`` and, for the examples
+    that read it, ``exports/tiers``: the suite's shared export of three tiers
+    (``nested_export_dir``)."""
+    examples = [obj for obj in objects if obj.docstring and ">>>" in obj.docstring.value]
+    assert len(examples) >= 30
     report: list[str] = []
-    runner.run(test, out=report.append)
-    assert not runner.failures, "".join(report)
+    for obj in examples:
+        folder = tmp_path_factory.mktemp("example")
+        monkeypatch.chdir(folder)
+        (folder / "specs").symlink_to(ROOT / "specs")
+        if "exports/tiers" in obj.docstring.value:
+            (folder / "exports").mkdir()
+            (folder / "exports" / "tiers").symlink_to(request.getfixturevalue("nested_export_dir"))
+        module = importlib.import_module(obj.module.path)
+        test = doctest.DocTestParser().get_doctest(obj.docstring.value, {"__name__": module.__name__}, obj.path,
+                                                   str(obj.filepath), obj.docstring.lineno)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        runner.run(test, out=report.append)
+    assert not report, "".join(report)

@@ -145,11 +145,20 @@ def screenshots(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("width", WIDTHS)
+MEASURE = """() => ({
+    figures: Array.from(document.querySelectorAll('.md-content img'))
+        .filter((img) => img.complete && img.naturalWidth > 0).map((img) => img.getAttribute('src')),
+    page: [document.documentElement.scrollWidth, window.innerWidth],
+    code: Array.from(document.querySelectorAll('.md-content pre > code'))
+        .filter((code) => code.scrollWidth > code.clientWidth)
+        .map((code) => code.innerText.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '')),
+})"""
+
+
 @pytest.mark.parametrize("path", list(PAGES), ids=["home", "tutorial", "explanation"])
-def test_the_page_fits_the_window_and_shows_its_title_and_a_figure(server, browser, screenshots, path, width):
+def test_the_page_fits_the_window_and_shows_its_title_and_a_figure(server, browser, screenshots, path):
     title = PAGES[path].read_text(encoding="utf-8").splitlines()[0].removeprefix("# ").strip()
-    page = browser.new_page(viewport={"width": width, "height": 900})
+    page = browser.new_page(viewport={"width": WIDTHS[0], "height": 900})
     outside: list[str] = []
 
     def local_only(route) -> None:
@@ -162,24 +171,19 @@ def test_the_page_fits_the_window_and_shows_its_title_and_a_figure(server, brows
     page.route("**/*", local_only)
     page.goto(server + path, wait_until="load")
     heading = page.locator(".md-content h1").first.inner_text().replace("¶", "").strip()
-    measured = page.evaluate("""() => ({
-        figures: Array.from(document.querySelectorAll('.md-content img'))
-            .filter((img) => img.complete && img.naturalWidth > 0).map((img) => img.getAttribute('src')),
-        page: [document.documentElement.scrollWidth, window.innerWidth],
-        code: Array.from(document.querySelectorAll('.md-content pre > code'))
-            .filter((code) => code.scrollWidth > code.clientWidth)
-            .map((code) => code.innerText.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '')),
-    })""")
     tab = page.title()
-    shot = screenshots / f"{path.strip('/').replace('/', '-') or 'home'}-{width}.png"
-    page.screenshot(path=str(shot), full_page=True)
+    assert heading == title and title in tab, f"{path or 'home'}: the page shows {heading!r} ({tab!r}), its Markdown {title!r}"
+    for width in WIDTHS:
+        page.set_viewport_size({"width": width, "height": 900})
+        measured = page.evaluate(MEASURE)
+        shot = screenshots / f"{path.strip('/').replace('/', '-') or 'home'}-{width}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        where = f"{path or 'home'} at {width} px"
+        assert measured["figures"], f"{where}: no figure loaded"
+        scroll_width, window_width = measured["page"]
+        assert scroll_width <= window_width, f"{where}: the page is {scroll_width} px wide, the window {window_width}"
+        if width >= 1280:
+            assert not measured["code"], f"{where}: code blocks scroll sideways; their widest lines: {measured['code']}"
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page.close()
-    where = f"{path or 'home'} at {width} px"
-    assert heading == title and title in tab, f"{where}: the page shows {heading!r} ({tab!r}), its Markdown {title!r}"
-    assert measured["figures"], f"{where}: no figure loaded"
-    scroll_width, window_width = measured["page"]
-    assert scroll_width <= window_width, f"{where}: the page is {scroll_width} px wide, the window {window_width}"
-    if width >= 1280:
-        assert not measured["code"], f"{where}: code blocks scroll sideways; their widest lines: {measured['code']}"
-    assert not outside, f"{where} requested outside the site: {outside}"
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not outside, f"{path or 'home'} requested outside the site: {outside}"
