@@ -209,12 +209,7 @@ def export_tiers(
         ValueError: an invalid setting (precisions, batch, opset, format), INT8 without
             calibration images, or an ``out_dir`` that is a file.
 
-    Examples:
-        >>> from nefl_zoo.export import export_tiers, load_source
-        >>> manifest = export_tiers(load_source("resnet20/nefl-w"), "exports/r20",
-        ...                         tiers=["g0.2"], latency_runs=1)
-        >>> [(entry.name, entry.params, entry.file) for entry in manifest.tiers]
-        [('g0.2', 52694, 'g0.2.onnx')]
+    The quickstart of the documentation exports a tier with it, and runs the file.
     """
     compiled = source.compiled
     names = list(tiers) if tiers else list(compiled.tiers)

@@ -120,7 +120,7 @@ class NestedNet(nn.Module):
         >>> model = nz.create_model("resnet20", num_classes=10)
         >>> model.stage_names, model.stage_depths
         (('layer1', 'layer2', 'layer3'), (3, 3, 3))
-        >>> model(torch.zeros(2, 3, 32, 32)).shape
+        >>> model(torch.zeros(2, 3, 8, 8)).shape
         torch.Size([2, 10])
     """
 
@@ -256,10 +256,10 @@ class NestedNet(nn.Module):
             >>> import torch
             >>> import nefl_zoo as nz
             >>> model = nz.create_model("resnet20")
-            >>> x = torch.zeros(2, 3, 32, 32)
+            >>> x = torch.zeros(2, 3, 8, 8)
             >>> outputs = model.forward_intermediates(x, intermediates_only=True)
             >>> [tuple(t.shape) for t in outputs]
-            [(2, 16, 32, 32), (2, 32, 16, 16), (2, 64, 8, 8)]
+            [(2, 16, 8, 8), (2, 32, 4, 4), (2, 64, 2, 2)]
         """
         taken = take_indices(len(self.stage_names), indices)
         last = max(taken) if stop_early else len(self.stage_names) - 1
