@@ -4,50 +4,10 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 5 (every field required unless marked nullable or defaulted; every number
-finite); versions 4 (before declared file sizes), 3, 2 (before nested packages) and 1 (before
-precisions, every entry FP32) are read as well, except version 3's nested packages, which are
-refused (re-export)::
-
-    schema_version   5 (1, 2, 3 and 4 are still read)
-    format           "files" (default: one self-contained .onnx file per entry) or
-                     "nested" (one standard .onnx file per precision holding every
-                     tier, chosen by its int64 ``tier`` input; see
-                     nefl_zoo.runtime.nested)
-    model            zoo model name; model_args: its create_model kwargs
-    source           what was exported (spec file or run directory)
-    created_by       "nefl-zoo VERSION"
-    opset            ONNX opset of every file
-    input            name, shape [C, H, W], dtype "float32", layout "NCHW",
-                     batch (null = dynamic batch dimension, else the fixed batch size),
-                     normalization {mean, std} per channel (nullable: raw [0, 1]
-                     pixels),
-                     dataset (nullable)
-    output           name, num_classes
-    class_names      list (nullable)
-    tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
-                     "fp16"; default fp32), file (relative to the manifest; nested:
-                     the nested model of its precision, shared by its entries),
-                     sha256, index
-                     (nested only: the entry's ``tier`` input value, 0 .. T-1 per file),
-                     bytes (the file's size, compared with the file before it is read;
-                     required from version 5),
-                     params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
-                     gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
-                     (nullable: what accuracy was measured on; null = the source run's
-                     recorded test accuracy),
-                     batchnorm_folded, channel_align (inner channels zero-padded to a
-                     multiple of it; 1 = none), channel_align_ms (nullable: with
-                     --pad-channels auto, the median ms of each alignment tried),
-                     max_abs_diff (FP32: onnxruntime vs PyTorch; else vs the FP32 file),
-                     vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
-                     max_abs_diff, relative_error} against the tier's FP32 file),
-                     calibration (nullable; INT8: {method, images, source}),
-                     weights_mb (the tier's own self-contained model's bytes /
-                     2**20), activation_mb_per_sample,
-                     latency {median_ms, batch, runs, threads (nullable: onnxruntime's
-                     default, one per physical core), machine {processor, platform,
-                     cpu_count, onnxruntime, provider}}
+Schema version 5: :class:`Manifest` and the models it nests, every field required unless
+nullable or defaulted, every number finite. Versions 4 (before declared file sizes), 3, 2
+(before nested packages) and 1 (before precisions, every entry FP32) are read as well, except
+version 3's nested packages, which are refused (re-export).
 
 A manifest is also checked for consistency when it is read: ``class_names`` has
 ``output.num_classes`` names, ``normalization`` one mean and one positive std per input
@@ -92,13 +52,9 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 class Normalization(_Strict):
-    """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1].
+    """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1]."""
 
-    Attributes:
-        mean: per channel.
-    """
-
-    mean: list[float] = Field(min_length=1)
+    mean: list[float] = Field(min_length=1, description="per channel")
     std: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="per channel, > 0")
 
     @model_validator(mode="after")
@@ -109,24 +65,15 @@ class Normalization(_Strict):
 
 
 class InputSpec(_Strict):
-    """The model input: one batch of images.
+    """The model input: one batch of images."""
 
-    Attributes:
-        name: the ONNX input's name (``input``).
-        dtype: always ``float32``.
-        layout: always ``NCHW``.
-        normalization: what to apply to pixels in [0, 1]; ``null``: none (the training
-            standardised the images from the data, as for digits).
-        dataset: the dataset the model was trained on, when known.
-    """
-
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the ONNX input's name")
     shape: list[Positive] = Field(min_length=3, max_length=3, description="[C, H, W]")
-    dtype: Literal["float32"] = "float32"
-    layout: Literal["NCHW"] = "NCHW"
+    dtype: Literal["float32"] = Field("float32", description="always float32")
+    layout: Literal["NCHW"] = Field("NCHW", description="always NCHW")
     batch: Positive | None = Field(description="null: dynamic batch dimension; else the fixed batch size")
-    normalization: Normalization | None
-    dataset: str | None
+    normalization: Normalization | None = Field(description="null: raw [0, 1] pixels")
+    dataset: str | None = Field(description="the dataset trained on, when known")
 
     @model_validator(mode="after")
     def _normalization_per_channel(self) -> "InputSpec":
@@ -139,143 +86,87 @@ class InputSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    """The model output: logits of shape [batch, num_classes].
+    """The model output: logits of shape [batch, num_classes]."""
 
-    Attributes:
-        name: the ONNX output's name (``logits``).
-        num_classes: the logits per image.
-    """
-
-    name: str = Field(min_length=1)
-    num_classes: Positive
+    name: str = Field(min_length=1, description="the ONNX output's name")
+    num_classes: Positive = Field(description="logits per image")
 
 
 class Machine(_Strict):
-    """Where a latency was measured.
+    """Where a latency was measured."""
 
-    Attributes:
-        processor: the CPU's name.
-        platform: the operating system.
-        cpu_count: logical CPUs.
-        onnxruntime: onnxruntime's version.
-        provider: the execution provider that ran the model.
-    """
-
-    processor: str
-    platform: str
-    cpu_count: Positive
-    onnxruntime: str
-    provider: str
+    processor: str = Field(description="the CPU")
+    platform: str = Field(description="the operating system")
+    cpu_count: Positive = Field(description="logical CPUs")
+    onnxruntime: str = Field(description="onnxruntime's version")
+    provider: str = Field(description="the execution provider that ran the model")
 
 
 class Latency(_Strict):
-    """Median wall time of one ``session.run`` on a batch of ``batch`` inputs.
+    """Median wall time of one ``session.run`` on a batch of ``batch`` inputs."""
 
-    Attributes:
-        median_ms: the median, in milliseconds.
-        batch: the batch it was measured at.
-        runs: timed runs.
-        machine: where it was measured.
-    """
-
-    median_ms: NonNegative
-    batch: Positive
-    runs: Positive
+    median_ms: NonNegative = Field(description="the median, in milliseconds")
+    batch: Positive = Field(description="the batch it was measured at")
+    runs: Positive = Field(description="timed runs")
     threads: Positive | None = Field(description="onnxruntime intra-op threads; null: its default")
-    machine: Machine
+    machine: Machine = Field(description="where it was measured")
 
 
 class Agreement(_Strict):
-    """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images.
+    """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images."""
 
-    Attributes:
-        images: the verification images compared.
-    """
-
-    images: Positive
+    images: Positive = Field(description="verification images compared")
     top1_agreement: Fraction = Field(description="share of images given the FP32 file's top-1 class")
     max_abs_diff: NonNegative = Field(description="largest |logit difference|")
     relative_error: NonNegative = Field(description="max_abs_diff / max(1, max |FP32 logit|)")
 
 
 class Calibration(_Strict):
-    """The images an INT8 file's activation ranges were calibrated on.
+    """The images an INT8 file's activation ranges were calibrated on."""
 
-    Attributes:
-        method: the calibration method (onnxruntime's, e.g. ``MinMax``).
-        images: how many images.
-        source: where they came from.
-    """
-
-    method: str = Field(min_length=1)
-    images: Positive
-    source: str
+    method: str = Field(min_length=1, description="e.g. MinMax")
+    images: Positive = Field(description="how many images")
+    source: str = Field(description="where they came from")
 
 
 class PackageFile(_Strict):
-    """One file of an export, next to the manifest.
-
-    Attributes:
-        sha256: the file's SHA-256, checked before it is used.
-        bytes: the file's size.
-    """
+    """One file of an export, next to the manifest."""
 
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(onnx|safetensors)$", description="next to the manifest")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    bytes: Count
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="checked before the file is used")
+    bytes: Count = Field(description="the file's size")
 
 
 class TierEntry(_Strict):
-    """One exported (tier, precision): its file, what it costs and how it was checked.
+    """One exported (tier, precision): its file, what it costs and how it was checked."""
 
-    Attributes:
-        name: the tier's name.
-        precision: ``fp32``, ``int8`` or ``fp16``.
-        sha256: the file's SHA-256, checked before onnxruntime reads it.
-        params: the tier's parameters.
-        params_ratio: its parameters over the full tier's.
-        macs: its MACs per image (fvcore).
-        macs_ratio: its MACs over the full tier's.
-        gamma: its nominal parameter ratio, when the spec gives one.
-        gamma_w: its width parameter ratio.
-        blocks_per_stage: the residual blocks it keeps, per stage.
-        accuracy: its test accuracy, when measured.
-        batchnorm_folded: whether BatchNorm was folded into the convolutions.
-        max_abs_diff: the largest logit difference from PyTorch at export.
-        vs_fp32: how an INT8/FP16 file agrees with the FP32 one.
-        calibration: the images INT8 was calibrated on.
-        weights_mb: the tier's own self-contained model's bytes, in MB.
-        activation_mb_per_sample: the largest activation per image, in MB.
-        latency: the latency measured at export.
-    """
-
-    name: str = Field(min_length=1)
-    precision: Precision = "fp32"
+    name: str = Field(min_length=1, description="the tier's name")
+    precision: Precision = Field("fp32", description="fp32, int8 or fp16")
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="checked before onnxruntime reads the file")
     index: Count | None = Field(None, description="nested only: the tier input value that selects this entry")
     bytes: Count | None = Field(None, description="the file's size, checked before it is read (required from schema 5)")
-    params: Count
-    params_ratio: NonNegative
-    macs: Count
-    macs_ratio: NonNegative
-    gamma: Annotated[float, Field(gt=0, le=1)] | None
-    gamma_w: float = Field(gt=0, le=1)
-    blocks_per_stage: list[Count]
-    accuracy: Fraction | None
+    params: Count = Field(description="the tier's parameters")
+    params_ratio: NonNegative = Field(description="over the full tier's")
+    macs: Count = Field(description="MACs per image (fvcore)")
+    macs_ratio: NonNegative = Field(description="over the full tier's")
+    gamma: Annotated[float, Field(gt=0, le=1)] | None = Field(description="nominal parameter ratio")
+    gamma_w: float = Field(gt=0, le=1, description="width parameter ratio")
+    blocks_per_stage: list[Count] = Field(description="residual blocks kept, per stage")
+    accuracy: Fraction | None = Field(description="test accuracy, when measured")
     accuracy_on: str | None = Field(None, description="what accuracy was measured on; null: the source run's record")
-    batchnorm_folded: bool
+    batchnorm_folded: bool = Field(description="BatchNorm folded into the convolutions")
     channel_align: Positive = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
     channel_align_ms: dict[str, NonNegative] | None = Field(
         None,
         description="--pad-channels auto: median latency (ms) of each alignment tried, keyed by it; the faster was kept",
     )
-    max_abs_diff: NonNegative
-    vs_fp32: Agreement | None = None
-    calibration: Calibration | None = None
-    weights_mb: NonNegative
-    activation_mb_per_sample: NonNegative
-    latency: Latency
+    max_abs_diff: NonNegative = Field(description="FP32: onnxruntime vs PyTorch; else vs the FP32 file")
+    vs_fp32: Agreement | None = Field(None, description="INT8/FP16: agreement with the FP32 file")
+    calibration: Calibration | None = Field(None, description="INT8: its calibration images")
+    weights_mb: NonNegative = Field(description="the tier's own self-contained model, MB")
+    activation_mb_per_sample: NonNegative = Field(description="the largest activation per image, MB")
+    latency: Latency = Field(description="measured at export")
 
     @property
     def label(self) -> str:

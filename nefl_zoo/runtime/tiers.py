@@ -25,8 +25,7 @@ class NoTierFits(ValueError):
 
 @dataclass(frozen=True)
 class Selection:
-    """The (tier, precision) :meth:`TierRuntime.select` chose and why; ``fitting`` holds the
-    labels of every entry within the budget.
+    """The (tier, precision) :meth:`TierRuntime.select` chose, and why.
 
     Attributes:
         tier: the chosen tier's name.
@@ -62,26 +61,18 @@ class TierRuntime:
         precisions: the precisions the policy may serve (default: all).
         clock: seconds, monotonic: times the adaptive requests (injectable for tests).
 
-    Raises:
-        ManifestError: a manifest that cannot be read or is inconsistent.
-        ValueError: a policy without a starting estimate for some entry.
+    Raises :class:`ManifestError` for a manifest that cannot be read or is inconsistent,
+    ``ValueError`` for a policy without a starting estimate for some entry.
 
     Examples:
-        An export of three tiers (``small``, ``mid``, ``full``) in FP32 and INT8, as
-        ``nefl-zoo export --precision fp32,int8`` writes it:
-
         >>> import numpy as np
         >>> from nefl_zoo.runtime import TierRuntime
-        >>> rt = TierRuntime("exports/tiers")
-        >>> [entry.label for entry in rt.manifest.tiers]
-        ['small', 'small:int8', 'mid', 'mid:int8', 'full', 'full:int8']
+        >>> rt = TierRuntime("exports/tiers")  # three tiers, in FP32 and INT8
         >>> rt.select(max_file_mb=0.1).label
         'small:int8'
         >>> batch = np.zeros((2, *rt.manifest.input.shape), np.float32)
         >>> rt.run(batch).shape, rt.last_label
         ((2, 10), 'small:int8')
-        >>> rt.run(batch, tier="full").shape
-        (2, 10)
     """
 
     def __init__(
@@ -113,10 +104,9 @@ class TierRuntime:
                 self.session(label).run(None, warmup)
 
     def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession | TierSession:
-        """The session of an entry (:meth:`Manifest.tier`: a label, or a tier name and
-        ``precision``): its file's session, or for a nested model the :class:`TierSession`
-        of the entry's index over the file's one session. Each file is read, checked against
-        its sha256 and opened once, on first use, and cached.
+        """The session of an entry (:meth:`Manifest.tier`). Each file is read, checked against
+        its sha256 and opened once, on first use, and cached; ``KeyError`` for no such entry,
+        :class:`ManifestError` for a file that fails its checks.
 
         Args:
             tier: an entry's label, or a tier's name.
@@ -124,10 +114,6 @@ class TierRuntime:
 
         Returns:
             The onnxruntime session, or for a nested model a :class:`TierSession`.
-
-        Raises:
-            KeyError: no such entry.
-            ManifestError: a file that fails its checks (size, sha256, path, external data).
         """
         entry = self.manifest.tier(tier, precision)
         if entry.file not in self._sessions:
@@ -182,31 +168,25 @@ class TierRuntime:
         by MACs when some fitting entry has no measured accuracy; ties go to fewer MACs, then
         the smaller file) and make it the ``"auto"`` tier.
 
-        ``latency_ms`` is compared with the latency measured at export time (at the batch the
-        manifest records), or with ``latencies`` (label -> ms, e.g. a device's
-        :class:`~nefl_zoo.runtime.latency.LatencyTable` at ``batch``; ``latency_source`` says
-        where it was measured, for the reason) when given; ``max_memory_mb`` with :meth:`TierEntry.memory_mb` at ``batch``;
-        ``max_file_mb`` with the file's size; ``precisions`` (default: all) restricts the
-        entries considered.
-
         Args:
-            latency_ms: the latency budget, in milliseconds.
+            latency_ms: the latency budget (ms), against the latency measured at export (at
+                the manifest's batch), or ``latencies`` when given.
             max_macs: the MACs budget.
             max_params: the parameters budget.
-            max_memory_mb: the memory budget, in MB, at ``batch``.
+            max_memory_mb: the memory budget (MB), against :meth:`TierEntry.memory_mb`.
             batch: the batch the latency and memory budgets are for.
-            max_file_mb: the budget on the tier's own file, in MB.
+            max_file_mb: the budget on the tier's own file (MB).
             precisions: the precisions to consider (default: all).
-            latencies: each entry's latency in ms, by label, instead of the export's.
+            latencies: label -> ms, e.g. a device's
+                :class:`~nefl_zoo.runtime.latency.LatencyTable` at ``batch``.
             latency_source: where ``latencies`` were measured, for the reason.
 
         Returns:
             The choice, which ``run(batch)`` (``tier="auto"``) now serves.
 
-        Raises:
-            NoTierFits: no entry meets every budget.
-            ValueError: a budget that is negative or not a finite number, a batch below 1,
-                a precision the manifest has no file of, or ``latencies`` missing an entry.
+        Raises :class:`NoTierFits` when no entry meets every budget, ``ValueError`` for a budget
+        that is negative or not finite, a batch below 1, a precision without files, or
+        ``latencies`` missing an entry.
         """
         budgets = {
             "latency_ms": latency_ms, "max_macs": max_macs, "max_params": max_params,
@@ -259,16 +239,13 @@ class TierRuntime:
         return self.selection
 
     def entries(self, precisions: Sequence[str] | None = None) -> list[TierEntry]:
-        """The manifest's entries at ``precisions`` (all when ``None``).
+        """The manifest's entries at ``precisions``; ``ValueError`` for a precision without files.
 
         Args:
             precisions: the precisions wanted.
 
         Returns:
             The entries, in the manifest's order.
-
-        Raises:
-            ValueError: a precision that is unknown or has no file in the manifest.
         """
         if precisions is None:
             return list(self.manifest.tiers)
@@ -280,17 +257,13 @@ class TierRuntime:
         return [t for t in self.manifest.tiers if t.precision in precisions]
 
     def check_batch(self, batch: np.ndarray) -> np.ndarray:
-        """``batch`` as a float32 array of the manifest's input shape.
+        """``batch`` as a float32 array of the manifest's input shape; ``ValueError`` if not.
 
         Args:
             batch: images, ``(N, C, H, W)``, floating point.
 
         Returns:
             The batch as a contiguous float32 array.
-
-        Raises:
-            ValueError: not floating point, another shape, or another batch size than a
-                fixed-batch export takes.
         """
         spec = self.manifest.input
         batch = np.asarray(batch)
@@ -305,8 +278,8 @@ class TierRuntime:
 
     def resolve(self, tier: str, precision: str | None = None) -> str:
         """The label of the selected entry for ``"auto"``, of the policy's choice for
-        ``"adaptive"``, else of :meth:`Manifest.tier` (``tier`` a label, or a tier name and
-        ``precision``).
+        ``"adaptive"``, else of :meth:`Manifest.tier`; ``KeyError`` if unknown, ``ValueError``
+        for ``"adaptive"`` without a policy.
 
         Args:
             tier: ``"auto"``, ``"adaptive"``, a label or a tier's name.
@@ -314,10 +287,6 @@ class TierRuntime:
 
         Returns:
             The entry's label.
-
-        Raises:
-            KeyError: no such entry.
-            ValueError: ``"adaptive"`` without a policy.
         """
         if tier == "auto":
             return self.selection.label
@@ -328,9 +297,9 @@ class TierRuntime:
         return self.manifest.tier(tier, precision).label
 
     def run(self, batch: np.ndarray, tier: str = "auto") -> np.ndarray:
-        """Logits of ``batch`` (N, C, H, W, already normalised) from ``tier`` (a label,
-        ``"auto"`` or ``"adaptive"``: the policy's choice, timed and reported back to it);
-        :attr:`last_label` is the entry that ran.
+        """Logits of ``batch`` from ``tier`` (``"adaptive"``: the policy's choice, timed and
+        reported back to it); :attr:`last_label` is the entry that ran. ``ValueError`` for a
+        batch of the wrong type or shape, ``KeyError`` for an unknown entry.
 
         Args:
             batch: images, ``(N, C, H, W)``, normalised as the manifest's input says.
@@ -338,10 +307,6 @@ class TierRuntime:
 
         Returns:
             The logits, ``(N, num_classes)``.
-
-        Raises:
-            ValueError: a batch of the wrong type or shape.
-            KeyError: no such entry.
         """
         feed = {self.manifest.input.name: self.check_batch(batch)}
         label = self.resolve(tier)
@@ -354,17 +319,13 @@ class TierRuntime:
         return logits
 
     def check_memory(self, batch: int, tiers: list[str] | None = None) -> None:
-        """``ValueError`` when running ``batch`` inputs through any of ``tiers`` (labels;
-        default: every entry) cannot fit in the memory available: the weights, plus per sample
-        the input and :data:`~nefl_zoo.memory.WORKING_SET_FACTOR` times the largest activation
-        working set.
+        """``ValueError`` when running ``batch`` inputs through any of ``tiers`` cannot fit in
+        the memory available: the weights, plus per sample the input and
+        :data:`~nefl_zoo.memory.WORKING_SET_FACTOR` times the largest activation working set.
 
         Args:
             batch: the batch size.
             tiers: the entries' labels (default: every entry).
-
-        Raises:
-            ValueError: the batch cannot fit.
         """
         input_bytes = 4 * math.prod(self.manifest.input.shape)
         for name in tiers or [t.label for t in self.manifest.tiers]:
@@ -377,7 +338,7 @@ class TierRuntime:
 
     def benchmark(self, tier: str, batch: int, runs: int = 10, warmup: int = 2) -> float:
         """Median latency (ms) of ``tier`` (a label) on a random batch, measured now on this
-        machine.
+        machine; ``ValueError`` for a batch the export does not take or that cannot fit in memory.
 
         Args:
             tier: an entry's label.
@@ -387,15 +348,13 @@ class TierRuntime:
 
         Returns:
             The median latency, in milliseconds.
-
-        Raises:
-            ValueError: a batch the export does not take, or that cannot fit in memory.
         """
         return self.benchmark_many([tier], batch, runs, warmup)[self.resolve(tier)]
 
     def benchmark_many(self, tiers: Sequence[str], batch: int, runs: int = 10, warmup: int = 2) -> dict[str, float]:
         """Median latency (ms) of each of ``tiers`` (labels) on one random batch, measured now,
-        the files timed in turn (``warmup`` untimed rounds, then ``runs`` timed ones).
+        the files timed in turn (``warmup`` untimed rounds, then ``runs`` timed ones);
+        ``ValueError`` as :meth:`benchmark`.
 
         Args:
             tiers: the entries' labels.
@@ -405,9 +364,6 @@ class TierRuntime:
 
         Returns:
             The median latency in milliseconds, by label.
-
-        Raises:
-            ValueError: as :meth:`benchmark`.
         """
         fixed = self.manifest.input.batch
         if fixed is not None and batch != fixed:
@@ -423,24 +379,16 @@ class TierRuntime:
 
 def run_in_chunks(run: Callable[[np.ndarray], np.ndarray], images: np.ndarray, fixed_batch: int | None,
                   chunk: int = 256) -> np.ndarray:
-    """``run`` over ``images`` in chunks of ``chunk`` images, or of ``fixed_batch`` (the last
-    one zero-padded to it) for an export with a fixed batch; the outputs concatenated.
+    """``run`` over ``images`` in chunks; the outputs concatenated.
 
     Args:
         run: maps a batch to its outputs (e.g. :meth:`TierRuntime.run`).
         images: every image, ``(N, C, H, W)``.
-        fixed_batch: the export's fixed batch, or ``None`` for a dynamic one.
+        fixed_batch: an export's fixed batch (the last chunk zero-padded to it), or ``None``.
         chunk: the chunk size with a dynamic batch.
 
     Returns:
         The outputs of every image, in order (padding dropped).
-
-    Examples:
-        >>> import numpy as np
-        >>> from nefl_zoo.runtime import run_in_chunks
-        >>> images = np.arange(5, dtype=np.float32).reshape(5, 1, 1, 1)
-        >>> run_in_chunks(lambda x: x.reshape(len(x), 1) * 2, images, fixed_batch=2).ravel()
-        array([0., 2., 4., 6., 8.], dtype=float32)
     """
     size = fixed_batch or chunk
     out = []
