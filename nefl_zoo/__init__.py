@@ -1,17 +1,31 @@
 """nefl-zoo: nested federated learning and physically slimmed submodel extraction.
 
-Attributes are imported lazily so that ``import nefl_zoo`` (and ``nefl_zoo.runtime``, which
-needs only numpy and onnxruntime) does not import torch.
+``import nefl_zoo as nz`` gives the everyday names: build models (``nz.create_model``,
+``nz.nest``), write and compile specs (``nz.parse_spec``, ``nz.load_spec``,
+``nz.compile_spec``), find a tier (``nz.auto_tier``) and move weights between a tier and the
+global model (``nz.extract``, ``nz.scatter_``). Training is in :mod:`nefl_zoo.fl`, export in
+:mod:`nefl_zoo.export` and the torch-free runtime in :mod:`nefl_zoo.runtime`.
 
-``nefl_zoo.nest`` is the function :func:`nefl_zoo.nest.nest` (as the README writes it,
-``nz.nest(module, example_input)``), even once the subpackage of that name is imported: the
-subpackage is reached by importing from it (``from nefl_zoo.nest import NestError``).
+The names are imported when first used, so ``import nefl_zoo`` does not import torch.
 
-This is where the layers are assembled: a layer that serves a higher one is told here which
-loader brings it in (:mod:`nefl_zoo.plugins`), instead of importing it by name. The model
-registry's ``torchvision:`` and ``timm:`` sources are :mod:`nefl_zoo.nest`'s, loaded the first
-time a name of that form is looked up.
+Examples:
+    >>> import nefl_zoo as nz
+    >>> spec = nz.parse_spec({"model": "resnet20", "tiers": [
+    ...     {"name": "small", "gamma_w": 0.25}, {"name": "full"}]})
+    >>> compiled = nz.compile_spec(spec)
+    >>> small = compiled["small"].load(compiled.init_global_state())
+    >>> sum(p.numel() for p in small.parameters())
+    68795
 """
+
+# ``nefl_zoo.nest`` is the function :func:`nefl_zoo.nest.nest` (as the README writes it,
+# ``nz.nest(module, example_input)``), even once the subpackage of that name is imported: the
+# subpackage is reached by importing from it (``from nefl_zoo.nest import NestError``).
+#
+# This is where the layers are assembled: a layer that serves a higher one is told here which
+# loader brings it in (:mod:`nefl_zoo.plugins`), instead of importing it by name. The model
+# registry's ``torchvision:`` and ``timm:`` sources are :mod:`nefl_zoo.nest`'s, loaded the first
+# time a name of that form is looked up.
 
 from __future__ import annotations
 

@@ -164,6 +164,14 @@ def export_tiers(
     """Export, verify and time the ``tiers`` (default: all) of ``source`` into ``out_dir``.
 
     Args:
+        source: what to export (:func:`load_source`).
+        out_dir: the export folder, created if needed.
+        tiers: the tiers to export, by name (default: all).
+        opset: the ONNX opset (default: the exporter's).
+        batch_dynamic: export the batch dimension as dynamic.
+        latency_runs: timed runs per file (the median is recorded).
+        calibration_source: what ``calibration`` is, for the manifest.
+        calibration_images: how many training images of a run INT8 is calibrated on.
         dataset: recorded with its normalisation when one of :data:`DATASETS` and its class
             names when known (default: the source's dataset).
         batch: the batch the latency is measured at; with ``batch_dynamic=False`` also the
@@ -182,15 +190,26 @@ def export_tiers(
             named by ``calibration_source``; default: ``calibration_images`` training images
             of a run source.
         warn: called with each warning (default: logged).
-        format: ``files`` (one self-contained file per tier and precision) or ``nested`` (one
-            package: the shared tensors once per precision, per entry a weights-free graph
-            and its per-tier tensors; :mod:`.package`, :mod:`nefl_zoo.runtime.nested`).
+        format: ``files`` (one self-contained file per tier and precision) or ``nested``
+            (one standard ``.onnx`` file per precision holding every tier, the shared
+            tensors once; :mod:`.nested_model`, :mod:`nefl_zoo.runtime.nested`).
 
     A run source's test split (when its data loads) gives every file's accuracy and the
     images the check uses. Files are written to a staging directory and moved into place
     only when every tier passed, the manifest last (via a temporary file), so a failed export
-    never leaves a manifest that does not match its files. Raises :class:`ExportError` when
-    onnxruntime and PyTorch differ by more than ``ATOL * max(1, max |logit|)``.
+    never leaves a manifest that does not match its files.
+
+    Returns:
+        The manifest written to ``out_dir/manifest.json``.
+
+    Raises:
+        ExportError: onnxruntime and PyTorch differ by more than
+            ``ATOL * max(1, max |logit|)``, or no quantized file passed its check.
+        KeyError: an unknown tier.
+        ValueError: an invalid setting (precisions, batch, opset, format), INT8 without
+            calibration images, or an ``out_dir`` that is a file.
+
+    The quickstart of the documentation exports a tier with it, and runs the file.
     """
     compiled = source.compiled
     names = list(tiers) if tiers else list(compiled.tiers)

@@ -48,6 +48,33 @@ def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: s
     size set ``in_chans`` and ``img_size``. Every tier starts from ``module``'s own weights
     (copied; ``module`` is not changed). ``name`` defaults to the class name in snake case.
     A module that cannot be nested raises :class:`NestError` naming the construct.
+
+    Args:
+        module: the network to nest, with its weights.
+        example_input: a tensor, or a shape ``(N, C, H, W)``, of the network's input.
+        name: the name to register it under.
+
+    Returns:
+        The registered name.
+
+    Raises:
+        NestError: the module cannot be nested; the message names the construct.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import nefl_zoo as nz
+        >>> class Tiny(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.conv, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Linear(16, 4)
+        ...     def forward(self, x):
+        ...         return self.fc(self.conv(x).mean((2, 3)))
+        >>> name = nz.nest(Tiny(), (1, 3, 8, 8))
+        >>> name
+        'tiny'
+        >>> nz.create_model(name, gamma_w=0.25).conv
+        Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
     """
     from .net import AutoArgs, build_tier
     from .plan import cached_plan

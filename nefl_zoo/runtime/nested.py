@@ -29,24 +29,55 @@ METADATA_FORMAT = "nefl-zoo-nested"
 
 
 class TierSession:
-    """One tier of a nested model's session: ``run`` feeds the tier's ``index`` with the images."""
+    """One tier of a nested model's session: ``run`` feeds the tier's ``index`` with the images.
+
+    It has the part of ``onnxruntime.InferenceSession``'s interface that the runtime uses, so
+    an entry of a nested export runs like a file of its own.
+
+    Args:
+        session: the nested file's session.
+        index: the tier's index, the value of the ``tier`` input.
+    """
 
     def __init__(self, session: ort.InferenceSession, index: int):
         self.session, self.index = session, index
         self._tier = np.array(index, np.int64)
 
     def run(self, output_names: Sequence[str] | None, feed: Mapping[str, np.ndarray], *args: Any) -> list[np.ndarray]:
-        """``InferenceSession.run`` with the tier input added to ``feed``."""
+        """``InferenceSession.run`` with the tier input added to ``feed``.
+
+        Args:
+            output_names: the outputs wanted (``None``: all).
+            feed: the inputs, by name, without ``tier``.
+            *args: passed on to ``InferenceSession.run``.
+
+        Returns:
+            The outputs.
+        """
         return self.session.run(output_names, {**feed, TIER_INPUT: self._tier}, *args)
 
     def get_inputs(self) -> list:
-        """The session's inputs but the tier input."""
+        """The session's inputs but the tier input.
+
+        Returns:
+            onnxruntime's descriptions of the inputs.
+        """
         return [i for i in self.session.get_inputs() if i.name != TIER_INPUT]
 
     def get_outputs(self) -> list:
+        """The session's outputs.
+
+        Returns:
+            onnxruntime's descriptions of the outputs.
+        """
         return self.session.get_outputs()
 
     def get_providers(self) -> list[str]:
+        """The session's execution providers.
+
+        Returns:
+            Their names, in order of preference.
+        """
         return self.session.get_providers()
 
 

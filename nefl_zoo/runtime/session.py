@@ -25,9 +25,20 @@ def read_tier(path: str | Path, sha256: str, root: str | Path | None = None, siz
     With ``root`` (the manifest's folder), the path, resolved through every symlink, must lie
     inside it. The file's size is checked before a byte is read: against ``size`` (the
     manifest's declared bytes) when given, and against the 2 GiB that no self-contained
-    .onnx file exceeds. Raises :class:`ManifestError` naming the file when it is missing,
-    outside ``root``, not a regular file, of another size or too large, or does not match
-    the hash.
+    .onnx file exceeds.
+
+    Args:
+        path: the tier file.
+        sha256: its expected SHA-256 (hex).
+        root: the folder it must lie inside (the manifest's).
+        size: its expected size in bytes.
+
+    Returns:
+        The file's bytes, as checked.
+
+    Raises:
+        ManifestError: the file is missing, outside ``root``, not a regular file, of another
+            size or too large, or does not match the hash; the message names it.
     """
     path = Path(path)
     if root is not None:
@@ -76,7 +87,20 @@ def session_from_bytes(
 ) -> ort.InferenceSession:
     """An onnxruntime session for the serialized ``model`` (already verified bytes);
     ``source`` names it in a :class:`ManifestError` when onnxruntime cannot load it or when
-    it refers to external data (:func:`check_self_contained`)."""
+    it refers to external data (:func:`check_self_contained`).
+
+    Args:
+        model: the model's bytes.
+        source: the file they came from, named in errors.
+        providers: onnxruntime execution providers, in order of preference.
+        threads: intra-op threads (default: one per physical core).
+
+    Returns:
+        The session.
+
+    Raises:
+        ManifestError: onnxruntime cannot load the model, or it refers to external data.
+    """
     check_self_contained(model, source)
     options = ort.SessionOptions()
     if threads is not None:
@@ -98,7 +122,22 @@ def create_session(
 ) -> ort.InferenceSession:
     """An onnxruntime session for the tier file ``path``: read once (:func:`read_tier`, inside
     ``root`` when given, of ``size`` bytes when given), checked against ``sha256``, and those
-    bytes loaded; ``threads`` caps onnxruntime's intra-op threads (default: one per physical core)."""
+    bytes loaded; ``threads`` caps onnxruntime's intra-op threads (default: one per physical core).
+
+    Args:
+        path: the tier file.
+        sha256: its expected SHA-256.
+        providers: onnxruntime execution providers, in order of preference.
+        threads: intra-op threads.
+        root: the folder the file must lie inside.
+        size: its expected size in bytes.
+
+    Returns:
+        The session.
+
+    Raises:
+        ManifestError: as :func:`read_tier` and :func:`session_from_bytes`.
+    """
     return session_from_bytes(read_tier(path, sha256, root, size), str(path), providers, threads)
 
 
@@ -106,7 +145,15 @@ def check_self_contained(model: bytes, source: str) -> None:
     """:class:`ManifestError` naming ``source`` and the tensor when the serialized model
     keeps any tensor's data in an external file: onnxruntime would open that file by its
     path (relative to the working directory for a model given as bytes), past every hash
-    check. Bytes that are not a protobuf message are left to onnxruntime's own error."""
+    check. Bytes that are not a protobuf message are left to onnxruntime's own error.
+
+    Args:
+        model: the serialized model.
+        source: the file it came from, named in the error.
+
+    Raises:
+        ManifestError: a tensor keeps its data in an external file.
+    """
     try:
         external = external_tensors(model)
     except WireError:
