@@ -166,7 +166,7 @@ def build(
                 try:
                     found = auto_tier(model, gamma, mode.value, channel_multiple=channel_multiple)
                 except ValueError as exc:
-                    from nefl_zoo.nest.sources import NestError
+                    from nefl_zoo.nesting.sources import NestError
 
                     if isinstance(exc, NestError):  # torchvision:/timm: networks that cannot be nested
                         raise fail(f"model: {model}: {exc}") from None

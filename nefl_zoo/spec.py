@@ -96,7 +96,7 @@ class SubmodelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_against_model(self) -> "SubmodelSpec":
-        from .models import ModelArgsError, check_model_args, is_model, list_models, model_info
+        from .models import ModelArgsError, NestError, check_model_args, is_model, list_models, model_info
 
         if not is_model(self.model):
             raise field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
@@ -111,15 +111,13 @@ class SubmodelSpec(BaseModel):
             depths, params = model_shape(self.model, tuple(sorted(self.model_args.items())))
         except Exception as exc:  # whatever the model's constructor makes of these arguments
             message = str(exc) if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {exc}"
-            from .nest.sources import NestError
-
             field = "model" if isinstance(exc, NestError) else "model_args"  # a network that cannot be nested
             raise field_error(field, message or type(exc).__name__) from None
         if params > MAX_PARAMS:
             raise field_error(
                 "model_args", f"{self.model} with these arguments has {params:,} parameters; at most {MAX_PARAMS:,}"
             )
-        nested_automatically = model_info(self.model).module.startswith("nefl_zoo.nest")  # torchvision:/timm:/nest()
+        nested_automatically = model_info(self.model).module.startswith("nefl_zoo.nesting")  # torchvision:/timm:/nest()
         seen: set[str] = set()
         for t, tier in enumerate(self.tiers):
             where = f"tiers[{t}]"
@@ -198,11 +196,10 @@ class SubmodelSpec(BaseModel):
 
 def _check_nests(model: str, args: dict[str, Any], field: str) -> None:
     """Build a tier of an automatically nested network on the meta device; its
-    :class:`~nefl_zoo.nest.sources.NestError` (e.g. a channel shuffle) becomes a field error."""
+    :class:`~nefl_zoo.models.NestError` (e.g. a channel shuffle) becomes a field error."""
     import torch
 
-    from .models import create_model
-    from .nest.sources import NestError
+    from .models import NestError, create_model
 
     try:
         with torch.device("meta"):

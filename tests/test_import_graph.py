@@ -5,7 +5,7 @@ statement that names a module of the package, absolute or relative, wherever it 
 level, inside a function, under ``if TYPE_CHECKING``), since a function-level import that
 closes a cycle still fails or half-initialises at run time. ``from PKG import NAME`` is an edge
 to ``PKG.NAME`` when that is a module, else to ``PKG``. A module imported by name with a literal
-name (``importlib.import_module("nefl_zoo.nest.sources")``, ``import_module(".net", __package__)``)
+name (``importlib.import_module("nefl_zoo.nesting.sources")``, ``import_module(".net", __package__)``)
 is an edge too: it is an import that only hides from import statements. Names computed at run
 time (the method registry's discovery, ``import_module(f"{BUILTIN}.{module}")``, and the package
 root's lazy exports) are not edges: discovery is how the registry avoids depending on the
@@ -139,7 +139,7 @@ def test_the_model_registry_reaching_into_nest_by_name_is_a_cycle(tmp_path):
     assert cycles(import_graph(copy)) == []
     registry = copy / "models" / "registry.py"
     registry.write_text(registry.read_text() + "\n\ndef _nest_info(name):\n"
-                        "    return importlib.import_module('nefl_zoo.nest.net').model_info(name)\n")
+                        "    return importlib.import_module('nefl_zoo.nesting.net').model_info(name)\n")
     found = cycles(import_graph(copy))
     assert found and all("nefl_zoo.models.registry" in c for c in found)
     assert any(m.startswith("nefl_zoo.nest") for c in found for m in c)

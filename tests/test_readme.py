@@ -272,13 +272,13 @@ def check_output(snippet: Snippet, command: str, output: str, shown: list[str]) 
 
 # ---- the names the README gives -----------------------------------------------------------------
 def test_nz_nest_is_the_function_the_readme_names():
-    """``import nefl_zoo as nz; nz.nest(module, example_input)``, even after the subpackage of
-    that name is imported (which sets it as the package's attribute)."""
+    """``import nefl_zoo as nz; nz.nest(module, example_input)``, also once the nesting
+    subpackage is imported."""
     import torch
     from torch import nn
 
     import nefl_zoo as nz
-    import nefl_zoo.nest.sources  # noqa: F401  (the import that would shadow the function)
+    import nefl_zoo.nesting.sources  # noqa: F401  (sets nz.nesting, never nz.nest)
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -288,7 +288,7 @@ def test_nz_nest_is_the_function_the_readme_names():
         def forward(self, x):
             return self.fc(self.conv(x).mean((2, 3)))
 
-    from nefl_zoo.nest import NestError, nest
+    from nefl_zoo.nesting import NestError, nest
 
     assert nz.nest is nest and nz.NestError is NestError and "nest" in nz.__all__
     name = nz.nest(Tiny(), (1, 3, 8, 8), name="readme_tiny")

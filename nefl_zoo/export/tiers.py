@@ -22,7 +22,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from .. import __version__
+from ..version import __version__
 from ..datasets import CLASS_NAMES, normalization as dataset_normalization
 from ..manifest import FORMATS, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import check_batch_fits, profile_tiers

@@ -5,7 +5,7 @@ An entry point may declare its arguments (``@register_model(args=ResNetArgs)``, 
 the constructor runs (:func:`check_model_args`).
 
 Names ``PREFIX:NAME`` (``torchvision:resnet18``, ``timm:vit_tiny_patch16_224``) come from a
-*source* that a higher layer registers (:func:`register_source`; :mod:`nefl_zoo.nest` registers
+*source* that a higher layer registers (:func:`register_source`; :mod:`nefl_zoo.nesting` registers
 ``torchvision`` and ``timm``): the registry knows no source itself. The package root declares the
 layers that register sources (:mod:`nefl_zoo.plugins`); the registry loads them the first time
 it meets a prefix it does not know."""
@@ -53,6 +53,12 @@ _SOURCES: dict[str, Callable[[str], ModelInfo]] = {}
 
 class UnknownModelError(ValueError):
     """Raised when a model name is not in the registry."""
+
+
+class NestError(ValueError):
+    """A network that cannot be nested: one line naming the construct. Raised by the sources
+    that nest networks automatically (``torchvision:NAME``, ``timm:NAME``, ``nz.nest``); a spec
+    reports it against its ``model``."""
 
 
 def register_model(fn: Callable[..., nn.Module] | None = None, *, args: type[ModelArgs] | None = None):
@@ -125,7 +131,7 @@ def _source(name: str) -> Callable[[str], ModelInfo] | None:
 def is_model(name: str) -> bool:
     """Whether ``name`` is a registered model, or ``PREFIX:NAME`` of an existing model of a
     registered source (``torchvision:NAME`` / ``timm:NAME``: nested automatically,
-    :mod:`nefl_zoo.nest`).
+    :mod:`nefl_zoo.nesting`).
 
     Args:
         name: a model name.
