@@ -1,14 +1,14 @@
 """Automatic nesting of any traceable CNN or vision transformer: ``torchvision:NAME`` /
 ``timm:NAME`` model names and :func:`nest` for a user's own ``nn.Module``.
 
-A channel-dependency analysis of the torch.fx graph (:mod:`.channels`, on id tensors
-:mod:`.ids`, through data movement :mod:`.movement` and attention :mod:`.attention`) groups the
-channels that must be kept together (a head is one group member: whole heads nest); each
-group is nested by prefix (:mod:`.plan`); blocks whose
-branch is added to an identity shortcut get a step size and can be removed
-(:mod:`.residual`); each tier is a physically slimmed graph module (:mod:`.slim`) behind the
-zoo's model contract (:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling,
-auto-tier and ONNX export use it unchanged.
+A channel-dependency analysis of the torch.fx graph (:mod:`.channels` and :mod:`.layers`, on
+id tensors :mod:`.ids`, through data movement :mod:`.movement` and attention :mod:`.attention`)
+groups the channels that must be kept together (a head is one group member: whole heads nest);
+each group is nested by prefix (:mod:`.plan`); blocks whose branch is added to an identity
+shortcut get a step size and can be removed (:mod:`.residual`); each tier is a physically
+slimmed graph module (:mod:`.slim`) behind the zoo's model contract
+(:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling, auto-tier and ONNX
+export use it unchanged.
 
 Importing this package registers the ``torchvision`` and ``timm`` sources with the model
 registry (:func:`~nefl_zoo.models.registry.register_source`), so ``create_model("timm:NAME")``
