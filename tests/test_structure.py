@@ -8,6 +8,7 @@ every file it did not change."""
 
 import importlib.util
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -78,6 +79,29 @@ def test_method_files_import_only_shared_modules():
             own = methods + name[len(methods):].split(".")[0]
             others = [t for t in targets if t.startswith(methods) and t != own and not t.startswith(own + ".")]
             assert not others, (name, others)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The text chunks (``tEXt``) of a PNG file."""
+    data, found, at = path.read_bytes(), {}, 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        if kind == b"tEXt":
+            key, _, value = data[at + 8:at + 8 + length].partition(b"\0")
+            found[key.decode("latin-1")] = value.decode("latin-1")
+        at += 12 + length
+    return found
+
+
+def test_the_architecture_figure_is_drawn_from_the_declared_table():
+    """The architecture page's figure records the fingerprint of the table it was drawn from:
+    a figure older than the table fails until it is drawn again."""
+    layout = structure.read_layout(ROOT / "pyproject.toml")
+    drawn = png_text(ROOT / "docs" / "explanations" / "img" / "architecture.png").get("nefl_zoo.layers")
+    assert drawn == structure.fingerprint(layout), "draw it again: python tools/docs_figures.py architecture"
+    changed = structure.Layout({**layout.parts, "cli": structure.Part("cli", "another job", layout.parts["cli"].imports)},
+                               layout.max_function_lines, layout.long_functions)
+    assert structure.fingerprint(changed) != drawn
 
 
 # ---- tests of the test: each fault planted in a copy --------------------------------------------

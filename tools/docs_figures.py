@@ -4,7 +4,7 @@ Usage: python tools/docs_figures.py [NAME ...]   (default: every figure)
 
 Each figure is one function of :data:`FIGURES` and is drawn from what the library computes or
 writes: a compiled spec's slice maps, a nested ONNX file as exported, one training round, the
-package's import graph, a nested torchvision model, the adaptive policy on a load trace. The
+package's declared layers, a nested torchvision model, the adaptive policy on a load trace. The
 run store's commit sequence and the chain of checks are drawn from the order the code takes.
 The PNGs go to ``docs/explanations/img/NAME.png`` (the pages show them; commit them).
 """
@@ -12,10 +12,11 @@ The PNGs go to ``docs/explanations/img/NAME.png`` (the pages show them; commit t
 from __future__ import annotations
 
 import argparse
-import ast
+import importlib
 import json
 import sys
 import tempfile
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -43,6 +44,15 @@ def box(ax, x, y, w, h, text, color="white", edge=INK, size=9, weight="normal", 
 def arrow(ax, start, end, color=INK, style="-|>", dashed=False, rad=0.0):
     ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=10, color=color, linewidth=1,
                                  linestyle="--" if dashed else "-", connectionstyle=f"arc3,rad={rad}"))
+
+
+def _tool(name: str):
+    """The module ``tools/NAME.py``."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def canvas(width: float, height: float):
@@ -227,96 +237,51 @@ def nefl_round():
 
 
 # ---- the package layers -------------------------------------------------------------------------
-ROLES = {  # what each part of the package is for, in a few words
-    "userfiles": "YAML/JSON input", "files": "durable writes", "bounds": "checked numbers", "timing": "timing",
-    "memory": "memory bounds", "images": "image input", "datasets": "normalisation", "models": "model zoo",
-    "spec": "YAML specs", "manifest": "export schema", "slim": "slim modules,\nslice maps", "nest": "automatic\nnesting",
-    "auto": "tier search", "profile": "params, MACs", "runtime": "ONNX runtime\n(no torch)", "fl": "training",
-    "export": "ONNX export", "plugins": "loaders", "cli": "nefl-zoo\ncommand",
-}
-
-
-def package_imports() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Part -> the parts it imports (a part: a subpackage or top-level module of nefl_zoo, and
-    ``cli``), at module level and, apart, inside functions (made when they run)."""
-    def part(module: str) -> str | None:
-        names = module.split(".")
-        if names[0] == "nefl_zoo_cli":
-            return "cli"
-        return names[1] if names[0] == "nefl_zoo" and len(names) > 1 and names[1] != "__version__" else None
-
-    eager, lazy = defaultdict(set), defaultdict(set)
-    for path in sorted([*(ROOT / "nefl_zoo").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
-        names = list(path.relative_to(ROOT).with_suffix("").parts)
-        names[0] = "nefl_zoo_cli" if names[0] == "cli" else names[0]
-        package = names[:-1]
-        source = part(".".join(names[:-1] if names[-1] == "__init__" else names))
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        at_top = {id(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
-                targets = [".".join([*base, *([node.module] if node.module else [])])]
-            else:
-                continue
-            for target in filter(None, map(part, targets)):
-                if source and target != source:
-                    (eager if id(node) in at_top else lazy)[source].add(target)
-    return eager, lazy
+ROW_WIDTH = 5  # parts per row of the figure, at most
 
 
 def architecture():
-    """The parts of the package, each on the layer its module-level imports put it."""
-    eager, lazy = package_imports()
-    parts = sorted(set(eager) | {t for ts in eager.values() for t in ts} | set(lazy) - {"plugins"})
-    level: dict[str, int] = {}
-
-    def depth(name: str) -> int:
-        if name not in level:
-            level[name] = 1 + max((depth(t) for t in eager.get(name, ())), default=-1)
-        return level[name]
-
-    for name in parts:
-        depth(name)
-    level["cli"] = max(level.values()) + 1
-    reach: dict[str, set[str]] = {}
-
-    def below(name: str) -> set[str]:
-        if name not in reach:
-            reach[name] = set().union(*({t} | below(t) for t in eager.get(name, ())))
-        return reach[name]
-
-    drawn = {(a, b) for a in eager for b in eager[a]  # an import implied by a longer chain is not drawn
-             if not any(b in below(c) for c in eager[a] - {b})}
-    rows = defaultdict(list)
-    for name in sorted(parts, key=lambda name: -len(below(name))):
-        rows[level[name]].append(name)
-    where: dict[str, list[float]] = {}
-    for n in sorted(rows):  # bottom up, each part near the parts it imports
-        names = rows[n]
-        targets = {name: [where[b][0] for a, b in drawn if a == name and b in where] for name in names}
+    """The parts of the package on their layers, each with its job, as declared in
+    ``[tool.nefl-zoo.structure]`` of ``pyproject.toml`` (the test suite holds the code to that
+    table). The PNG records the table's fingerprint, so a figure older than the table is found."""
+    structure = _tool("structure")
+    layout = structure.read_layout(ROOT / "pyproject.toml")
+    parts = layout.parts
+    row: dict[str, int] = {}
+    for name, part in parts.items():  # lowest first: the lowest row above its imports with room
+        row[name] = 1 + max((row[i] for i in part.imports), default=-1)
+        while sum(r == row[name] for r in row.values()) > ROW_WIDTH:
+            row[name] += 1
+    below: dict[str, set[str]] = {}
+    for name, part in parts.items():
+        below[name] = set().union(*({i} | below[i] for i in part.imports))
+    drawn = [(a, b) for a in parts for b in parts[a].imports  # an import implied by a longer chain is not drawn
+             if not any(b in below[c] for c in parts[a].imports if c != b)]
+    height = 0.72
+    where: dict[str, tuple[float, float]] = {}
+    for n in range(max(row.values()) + 1):  # bottom up, each part near the parts it imports
+        names = [name for name in parts if row[name] == n]
+        targets = {name: [where[b][0] for a, b in drawn if a == name] for name in names}
         names.sort(key=lambda name: sum(targets[name]) / len(targets[name]) if targets[name] else 4.8)
         for k, name in enumerate(names):
-            where[name] = [9.6 * (k + 0.5) / len(names), 0.9 + n * 0.85]
-    fig, ax = canvas(9.6, 0.9 + 0.85 * max(rows) + 0.45)
+            where[name] = (9.6 * (k + 0.5) / len(names), 0.75 + n * height)
+    fig, ax = canvas(9.6, 0.75 + height * max(row.values()) + 0.4)
+    fig.subplots_adjust(0, 0, 1, 1)
     for source, target in drawn:
         (x0, y0), (x1, y1) = where[source], where[target]
-        ax.plot([x0, x1], [y0 - 0.27, y1 + 0.27], color="#aaaaaa", linewidth=0.9, zorder=0)
-    for source, targets in lazy.items():
-        for target in targets - eager.get(source, set()):
-            if source != "cli" and source in where and target in where:
-                (x0, y0), (x1, y1) = where[source], where[target]
-                up = 0.27 if y1 > y0 else -0.27
-                ax.plot([x0, x1], [y0 + up, y1 - up], color=SHARED, linewidth=1.2, linestyle=":", zorder=0)
-    widest = max(len(r) for r in rows.values())
+        ax.plot([x0, x1], [y0 - 0.25, y1 + 0.25], color="#aaaaaa", linewidth=0.9, zorder=0)
+    width = 9.6 / ROW_WIDTH - 0.15
     for name, (x, y) in where.items():
-        colour = "#dbe9f6" if name == "runtime" else (SHARED if name == "cli" else "white")
-        box(ax, x, y, min(1.5, 9.6 / widest - 0.15), 0.54, f"{name}\n{ROLES.get(name, '')}", color=colour, size=7.5)
-    ax.text(0.05, 0.35, "Each part sits above the parts it imports at module level (grey; an import implied by a "
-            "longer chain is not drawn).\nDotted orange: an import inside a function, made when it runs. The "
-            "command line imports what a command needs when it runs.", fontsize=7.5, va="center")
+        colour = "#dbe9f6" if name == "runtime" else (SHARED if name == structure.CLI else "white")
+        box(ax, x, y, width, 0.5, "", color=colour)
+        ax.text(x, y + 0.13, name, ha="center", va="center", fontsize=8, weight="bold", color=INK)
+        ax.text(x, y - 0.07, "\n".join(textwrap.wrap(parts[name].job, 34)), ha="center", va="center",
+                fontsize=6.5, color=INK, linespacing=1.1)
+    ax.text(0.05, 0.3, "Each part sits above the parts it imports (a grey line; an import implied by a longer chain "
+            "is not drawn): at module level or inside a\nfunction, no import goes up. The command line (orange) "
+            "imports what a command needs when it runs; the runtime (blue) needs no torch.", fontsize=7.5,
+            va="center")
+    fig.png_metadata = {"nefl_zoo.layers": structure.fingerprint(layout)}  # saved into the PNG by main()
     return fig
 
 
@@ -368,11 +333,8 @@ def _runs(values: list[int]) -> list[tuple[int, int]]:
 def adaptive_policy():
     """The deadline policy on two load traces of the recorded set: the latency of each request
     and the tier that served it."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from policy_traces import CASES, run_case
-    finally:
-        sys.path.pop(0)
+    traces = _tool("policy_traces")
+    CASES, run_case = traces.CASES, traces.run_case
     shown = {"sudden_slowdown_miss": "the load doubles at 1 s", "load_ends_probe_up": "a 3x load ends at 2 s"}
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.2), dpi=DPI, sharey=True)
     for ax, case in zip(axes, [c for c in CASES if c["name"] in shown]):
@@ -491,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.names or FIGURES:
         fig = FIGURES[name]()
         path = OUT / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
+        fig.savefig(path, dpi=DPI, metadata=getattr(fig, "png_metadata", None))
         plt.close(fig)
         print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)")
     return 0

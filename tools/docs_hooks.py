@@ -3,8 +3,10 @@
 * Generated reference: a line ``<!-- generate: cli -->`` in a page becomes the reference of
   every ``nefl-zoo`` command, read from the typer app (usage, arguments, options, defaults,
   help); ``<!-- generate: schema MODULE:MODEL -->`` becomes a table per pydantic model (the
-  model and every model it nests), read from ``MODEL.model_json_schema()``. An unknown
-  directive stops the build.
+  model and every model it nests), read from ``MODEL.model_json_schema()``;
+  ``<!-- generate: layers -->`` becomes the table of the package's parts (job, imports), read
+  from ``[tool.nefl-zoo.structure]`` of ``pyproject.toml``. An unknown directive stops the
+  build.
 * Docstrings: the Sphinx roles they use (``:func:`name```, ``:class:`~pkg.Name```) render as
   code, and a paragraph's ``::`` (reST's literal block marker) as ``:``.
 * The version: ``nefl_zoo.__version__``, shown beside the repository link (``extra.version``,
@@ -21,8 +23,10 @@ import html
 import json
 import logging
 import re
+import sys
 import warnings
 from importlib import import_module
+from pathlib import Path
 
 log = logging.getLogger("mkdocs.hooks.nefl_zoo")
 
@@ -54,8 +58,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             return cli_reference()
         if kind == "schema" and ":" in args:
             return schema_reference(args)
+        if kind == "layers" and not args:
+            return layers_reference()
         raise ValueError(f"{page.file.src_uri}: unknown directive 'generate: {kind} {args}' "
-                         "(expected 'generate: cli' or 'generate: schema MODULE:MODEL')")
+                         "(expected 'generate: cli', 'generate: schema MODULE:MODEL' or 'generate: layers')")
 
     return DIRECTIVE.sub(generate, markdown)
 
@@ -92,6 +98,22 @@ def page_problems(src_uri: str, content: str) -> list[str]:
                 context = " ".join(text[max(0, match.start() - 30):match.end() + 30].split())
                 problems.append(f"{src_uri}: {what} on a user page: ...{context}...")
     return problems
+
+
+# ---- the package's layers, from pyproject.toml ---------------------------------------------------
+def layers_reference() -> str:
+    """The package's parts, highest first: each one's job and the parts it imports, as declared
+    in ``[tool.nefl-zoo.structure]`` of ``pyproject.toml`` (read by ``tools/structure.py``)."""
+    tools = Path(__file__).resolve().parent
+    sys.path.insert(0, str(tools))
+    try:
+        structure = import_module("structure")
+    finally:
+        sys.path.pop(0)
+    layout = structure.read_layout(tools.parent / "pyproject.toml")
+    rows = [f"| `{part.name}` | {part.job} | {', '.join(f'`{name}`' for name in part.imports) or 'nothing'} |"
+            for part in reversed(layout.parts.values())]
+    return "| part | its job | imports |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
 # ---- the CLI, from the typer app ----------------------------------------------------------------

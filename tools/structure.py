@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -88,6 +90,13 @@ def read_layout(pyproject: Path) -> Layout:
                              "{ job = \"...\", imports = [\"part\", ...] }")
         parts[name] = Part(name, entry["job"], tuple(entry["imports"]))
     return Layout(parts, int(table["max-function-lines"]), tuple(table["long-functions"]))
+
+
+def fingerprint(layout: Layout) -> str:
+    """The SHA-256 of the layers table (each part's name, job and imports, in order): what a
+    figure drawn from the table records, so that a stale figure is found."""
+    table = [[part.name, part.job, list(part.imports)] for part in layout.parts.values()]
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
 # ---- what each file holds -----------------------------------------------------------------------
