@@ -60,6 +60,16 @@ def test_the_table_declares_every_part_lowest_first_with_its_job():
     assert layout.part_of("nefl_zoo") == "nefl_zoo" and layout.part_of("nefl_zoo.nope") is None
 
 
+def test_a_subpackage_can_be_a_part_of_its_own():
+    """A module belongs to the longest part that names it, so a subpackage can become a part by
+    a line of the table alone."""
+    parts = {name: structure.Part(name, "", ()) for name in ("nefl_zoo", "fl", "fl.methods", "cli")}
+    layout = structure.Layout(parts, 80, ())
+    assert layout.part_of("nefl_zoo.fl.methods.fedlps.method") == "fl.methods" and layout.part_of("nefl_zoo.fl.methods") == "fl.methods"
+    assert layout.part_of("nefl_zoo.fl.engine") == "fl" and layout.part_of("nefl_zoo.flower") is None
+    assert layout.part_of("nefl_zoo_cli.app") == "cli" and layout.part_of("nefl_zoo") == "nefl_zoo"
+
+
 def test_the_graph_holds_relative_and_function_level_imports():
     graph = structure.import_graph()
     assert "nefl_zoo.fl.registry" in graph["nefl_zoo.fl.methods.nefl"]
