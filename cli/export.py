@@ -94,7 +94,12 @@ def export(
     pad_channels: PadChannels = typer.Option(
         PadChannels.auto,
         help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths); "
-        "auto: export each tier plain and padded to the CPU kernels' block, keep the faster",
+        "auto: export each tier plain and padded to the CPU kernels' block, keep the faster, and record the choice "
+        "in manifest.json: exporting into the same --out again reuses it (the same files)",
+    ),
+    pad_channels_from: Optional[Path] = typer.Option(
+        None, help="with --pad-channels auto: reuse the choices recorded in this export (folder or manifest.json) "
+        "instead of --out's",
     ),
     as_json: bool = json_option(),
 ) -> None:
@@ -106,6 +111,8 @@ def export(
     require_positive(batch=batch, latency_runs=latency_runs, threads=threads, calibration_images=calibration_images)
     if out.exists() and not out.is_dir():
         raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
+    if pad_channels_from is not None and not pad_channels_from.exists():
+        raise fail(f"--pad-channels-from: {pad_channels_from} does not exist (an export folder or its manifest.json)")
     names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
     warnings: list[str] = []
 
@@ -124,6 +131,7 @@ def export(
                 channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value),
                 precisions=precision, calibration=images, calibration_source=str(calibration),
                 calibration_images=calibration_images, warn=warn, format=export_format.value,
+                alignments_from=pad_channels_from,
             )
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
