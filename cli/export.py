@@ -1,4 +1,4 @@
-"""``export``, ``select``, ``predict`` and ``bench-tiers``: ONNX tiers and their runtime."""
+"""``export``, ``convert-ort``, ``select``, ``predict`` and ``bench-tiers``: ONNX tiers and their runtime."""
 
 from __future__ import annotations
 
@@ -29,6 +29,20 @@ class ExportFormat(str, Enum):
 
     nested = "nested"
     files = "files"
+
+
+class OrtStyle(str, Enum):
+    """How convert-ort writes a nested model (nefl_zoo.export.mobile.STYLES)."""
+
+    compact = "compact"
+    folded = "folded"
+
+
+class TargetPlatform(str, Enum):
+    """The CPU an .ort file is optimized for (nefl_zoo.export.mobile.TARGET_PLATFORMS)."""
+
+    arm = "arm"
+    amd64 = "amd64"
 
 
 class PadChannels(str, Enum):
@@ -161,6 +175,47 @@ def export(
             typer.echo(f"nested {entries[0].precision}: {file}, {size:,} bytes for {len(entries)} tiers "
                        f"({size / (full.weights_mb * 2**20):.3f}x the full tier's own file); choose one with its int64 input 'tier'")
     typer.echo(f"wrote {out / 'manifest.json'}")
+
+
+def convert_ort(
+    export_dir: Path = typer.Argument(..., metavar="EXPORT", help="a nested export's folder or its manifest.json"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the .ort files (default: the export's)"),
+    style: OrtStyle = typer.Option(
+        OrtStyle.compact, help="compact: the shared weights once, each tier's cut out of them at every request (about the "
+        ".onnx file's bytes and memory, slower requests); folded: every tier's weights folded in (as fast as each tier's "
+        "own .ort file, about the bytes of every tier together)",
+    ),
+    target_platform: TargetPlatform = typer.Option(
+        TargetPlatform.arm, help="arm: runs on any CPU (onnxruntime's converter's default); amd64: x86 only, with its "
+        "NCHWc layout",
+    ),
+    threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the check (default: per core)"),
+    as_json: bool = json_option(),
+) -> None:
+    """Write each nested model of an export in onnxruntime's ORT format (its mobile and minimal builds), every tier
+    checked against the .onnx file, and required_operators.config for a reduced build."""
+    from nefl_zoo.export import ExportError
+    from nefl_zoo.export.mobile import CONFIG_NAME, convert_to_ort
+    from nefl_zoo.manifest import ManifestError
+
+    require_positive(threads=threads)
+    if out is not None and out.exists() and not out.is_dir():
+        raise fail(f"--out: {out} is a file; convert-ort writes a folder (.ort files and {CONFIG_NAME})")
+    with user_errors(ManifestError), stdout_to_stderr(as_json):
+        try:
+            made = convert_to_ort(export_dir, out, style.value, target_platform.value, threads)
+        except ExportError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    folder = out or (export_dir if export_dir.is_dir() else export_dir.parent)
+    if as_json:
+        print_json({"folder": str(folder), "style": style.value, "target_platform": target_platform.value,
+                    "files": [vars(f) for f in made], "config": CONFIG_NAME})
+        return
+    for f in made:
+        typer.echo(f"{f.file}: {f.bytes:,} bytes ({f.bytes / f.source_bytes:.3f}x {f.source}), every tier's logits "
+                   f"within {f.max_abs_diff:.2g} of {f.source}'s")
+    typer.echo(f"wrote {len(made)} .ort files ({style.value}, {target_platform.value}) and {CONFIG_NAME} to {folder}")
 
 
 def _calibration_images(folder: Path, shape, dataset: str | None):
@@ -335,4 +390,5 @@ def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
     for command in (export, select, predict):
         app.command()(guarded(command))
+    app.command("convert-ort")(guarded(convert_ort))
     app.command("bench-tiers")(guarded(bench_tiers))
