@@ -287,6 +287,10 @@ def predict(
         None, help="the precision of the file to run (default: FP32, or the tier's only file; with auto, chosen among)"
     ),
     top_k: int = typer.Option(5, help="classes printed per image"),
+    low_memory: bool = typer.Option(
+        False, "--low-memory", help="nested models: one copy of the shared weights per session, each tier's cut out of "
+        "them at every run (less memory, slower runs)",
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Classify images with one tier and print the top-k classes."""
@@ -298,7 +302,7 @@ def predict(
 
     require_positive(top_k=top_k)
     with user_errors(ManifestError, NoTierFits):
-        runtime = TierRuntime(manifest)
+        runtime = TierRuntime(manifest, low_memory=low_memory)
         if tier == "auto" and precision is not None:
             runtime.select(precisions=[precision.value])
         label = runtime.resolve(tier, precision.value if precision is not None and tier != "auto" else None)
@@ -335,6 +339,10 @@ def bench_tiers(
     precision: Optional[str] = typer.Option(
         None, "--precision", click_type=PRECISION_LIST, help="comma-separated precisions to measure (default: all)"
     ),
+    low_memory: bool = typer.Option(
+        False, "--low-memory", help="nested models: one copy of the shared weights per session, each tier's cut out of "
+        "them at every run (less memory, slower runs)",
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Measure every tier's onnxruntime latency on this machine, at every precision."""
@@ -343,7 +351,7 @@ def bench_tiers(
 
     require_positive(batch=batch, runs=runs, threads=threads)
     with user_errors(ManifestError):
-        runtime = TierRuntime(manifest, threads=threads)
+        runtime = TierRuntime(manifest, threads=threads, low_memory=low_memory)
         entries = runtime.entries(precision or None)
         labels = [t.label for t in entries]
         runtime.check_memory(batch, labels)  # every file, before measuring any
@@ -363,7 +371,7 @@ def bench_tiers(
     ]
     if as_json:
         print_json({
-            "model": runtime.manifest.model, "batch": batch, "runs": runs, "threads": threads,
+            "model": runtime.manifest.model, "batch": batch, "runs": runs, "threads": threads, "low_memory": low_memory,
             "reference": largest.label, "tiers": rows,
         })
         return
@@ -373,7 +381,7 @@ def bench_tiers(
         "tier", "precision", "gamma", "MACs", "MACs ratio", "file MB", "memory MB", "latency ms", "latency ratio",
         "vs FP32", "at export",
         title=f"{runtime.manifest.model}, batch {batch}: median of {runs} runs, "
-        f"{threads or 'default'} onnxruntime threads",
+        f"{threads or 'default'} onnxruntime threads" + (", low-memory sessions" if low_memory else ""),
         caption=f"ratios against {largest.label}; vs FP32: against the tier's FP32 file; memory: weights + "
         f"activations x batch; at export: ms at batch {largest.latency.batch} on {largest.latency.machine.processor}",
     )

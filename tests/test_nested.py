@@ -409,9 +409,10 @@ def test_cli_select_predict_and_bench_tiers_work_on_a_nested_export(exports, tmp
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(image)
     predicted = runner.invoke(app, ["predict", str(nested), str(image), "--tier", "mid:int8", "--top-k", "1"])
     assert predicted.exit_code == 0 and "(tier mid:int8)" in predicted.stdout, predicted.output
-    timed = runner.invoke(app, ["bench-tiers", str(nested), "--batch", "2", "--runs", "1", "--json"])
+    timed = runner.invoke(app, ["bench-tiers", str(nested), "--batch", "2", "--runs", "1", "--low-memory", "--json"])
     assert timed.exit_code == 0, timed.output
     assert {r["label"] for r in json.loads(timed.stdout)["tiers"]} == {t.label for t in load_manifest(nested).tiers}
+    assert json.loads(timed.stdout)["low_memory"] is True
 
 
 def test_the_device_bench_runs_a_nested_export_without_torch(exports, tmp_path):
@@ -687,3 +688,28 @@ def test_the_cli_and_the_device_bench_say_one_line_when_a_tier_cannot_be_served(
     for stderr in (predicted.stderr, printed.err):
         (line,) = stderr.splitlines()
         assert re.fullmatch(r"error: \S+manifest.json: tiers\[9\].index: 3, but nested.int8.onnx holds 3 tiers \(0..2\); re-export", line), line
+
+
+def test_the_low_memory_mode_keeps_one_copy_of_the_shared_weights(exports, tmp_path):
+    """``TierRuntime(low_memory=True)``: onnxruntime's constant folding off, so a session holds
+    the shared weights once (the optimized graph's initializers about the file's bytes; by
+    default every tier's folded cuts too) and gives the same logits (INT8 exactly)."""
+    from nefl_zoo.runtime.session import session_options
+
+    compiled, nested = exports[0], exports[3]
+    x = images(compiled, n=4)
+    default, low = TierRuntime(nested, threads=1), TierRuntime(nested, threads=1, low_memory=True)
+    for entry in load_manifest(nested).tiers:
+        expected, got = default.run(x, entry.label), low.run(x, entry.label)
+        if entry.precision == "int8":
+            np.testing.assert_array_equal(got, expected, err_msg=entry.label)
+        else:
+            np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0, err_msg=entry.label)
+    held = {}
+    for mode in (False, True):
+        options = session_options(1, low_memory=mode)
+        options.optimized_model_filepath = str(tmp_path / f"{mode}.onnx")
+        ort.InferenceSession(str(nested / "nested.fp32.onnx"), options, providers=["CPUExecutionProvider"])
+        held[mode] = sum(numpy_helper.to_array(t).nbytes for g in graphs(onnx.load(options.optimized_model_filepath)) for t in g.initializer)
+    size = (nested / "nested.fp32.onnx").stat().st_size
+    assert held[True] <= 1.02 * size and held[False] >= 1.5 * size, (held, size)
