@@ -27,6 +27,7 @@ One job per module:
 
 from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
 from ..runtime.latency import machine_description
+from .mobile import convert_to_ort
 from .onnx_file import (
     INPUT_NAME,
     MIN_OPSET,
@@ -56,6 +57,7 @@ __all__ = [
     "check_global_state",
     "check_parity",
     "check_single_file",
+    "convert_to_ort",
     "export_tiers",
     "fold_batchnorm",
     "load_run_dir",

@@ -5,6 +5,8 @@
  *
  *   const model = await loadNestedModel(ort, bytes, { sha256: entry.sha256, size: entry.bytes });
  *   const { logits, dims } = await model.run("g0.6", images, batch);
+ *
+ * `{ lowMemory: true }` keeps one copy of the shared weights in the session (slower runs).
  */
 
 /** The key of the tier table (JSON) in the ModelProto's metadata_props. */
