@@ -646,7 +646,7 @@ def test_a_model_onnxruntime_cannot_load_is_one_line_and_nothing_else(nested_cop
     tamper(model)
     path.write_bytes(model.SerializeToString())
     rehash(nested_copy, path.name)
-    quiet_failure(capfd, lambda: TierRuntime(nested_copy).session("small"), r"nested.fp32.onnx: onnxruntime cannot load the model \(")
+    quiet_failure(capfd, lambda: TierRuntime(nested_copy).session("small"), r"nested.fp32.onnx: onnxruntime cannot load the model for tier small \(")
 
 
 def test_a_failure_while_running_names_the_file_and_the_tier(exports, capfd, monkeypatch):

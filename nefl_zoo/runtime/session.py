@@ -103,17 +103,19 @@ def read_tier(path: str | Path, sha256: str, root: str | Path | None = None, siz
 
 def session_from_bytes(
     model: bytes, source: str, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None,
-    low_memory: bool = False,
+    low_memory: bool = False, tier: str | None = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session for the serialized ``model`` (already verified bytes) with
-    :func:`session_options`; ``source`` names it in a :class:`ManifestError` when onnxruntime
-    cannot load it or when it refers to external data (:func:`check_self_contained`)."""
+    :func:`session_options`; ``source`` (and ``tier``, the entry it is opened for) names it in
+    a :class:`ManifestError` when onnxruntime cannot load it or when it refers to external data
+    (:func:`check_self_contained`)."""
     check_self_contained(model, source)
     options = session_options(threads, low_memory)
     try:
         return ort.InferenceSession(model, options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own pybind exception types
-        raise ManifestError(source, "", f"onnxruntime cannot load the model ({first_line(exc)})") from None
+        what = "the model" if tier is None else f"the model for tier {tier}"
+        raise ManifestError(source, "", f"onnxruntime cannot load {what} ({first_line(exc)})") from None
 
 
 def first_line(exc: BaseException) -> str:
@@ -130,12 +132,13 @@ def create_session(
     root: str | Path | None = None,
     size: int | None = None,
     low_memory: bool = False,
+    tier: str | None = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session for the tier file ``path``: read once (:func:`read_tier`, inside
     ``root`` when given, of ``size`` bytes when given), checked against ``sha256``, and those
     bytes loaded; ``threads`` caps onnxruntime's intra-op threads (default: one per physical
-    core), ``low_memory``: see :func:`session_options`."""
-    return session_from_bytes(read_tier(path, sha256, root, size), str(path), providers, threads, low_memory)
+    core), ``low_memory``: see :func:`session_options`; ``tier``: the entry it is opened for."""
+    return session_from_bytes(read_tier(path, sha256, root, size), str(path), providers, threads, low_memory, tier)
 
 
 def check_self_contained(model: bytes, source: str) -> None:

@@ -103,7 +103,7 @@ class TierRuntime:
         path = self.root / entry.file
         if entry.file not in self._sessions:
             session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes,
-                                     low_memory=self.low_memory)
+                                     low_memory=self.low_memory, tier=entry.label)
             self._check_io(session, str(path))
             if self.manifest.format == "nested":
                 self._check_tiers(session, entry.file)
