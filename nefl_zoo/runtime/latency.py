@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from ..bounds import MAX_BATCH, MAX_MS, MAX_RUNS, MAX_THREADS, number
+from ..bounds import MAX_BATCH, MAX_MS, MAX_RUNS, MAX_THREADS, MIN_MS, number
 from ..manifest import Machine, Manifest
 from ..userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 from .session import CPU_PROVIDER
@@ -60,7 +60,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-Milliseconds = Annotated[float, Field(ge=0, le=MAX_MS)]  # 0: a clock too coarse for the run
+Milliseconds = Annotated[float, Field(ge=MIN_MS, le=MAX_MS)]  # what the adaptive policy takes as an estimate
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
 Runs = Annotated[int, Field(ge=1, le=MAX_RUNS)]
@@ -193,7 +193,11 @@ class LatencyTable(_Strict):
 
         Args:
             path: the file to write.
+
+        Raises:
+            OSError: naming ``path`` (:func:`check_writable` says why before anything is timed).
         """
+        check_writable(path)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -202,10 +206,23 @@ class LatencyTable(_Strict):
                 f.flush()
                 os.fsync(f.fileno())  # on the disk before it replaces the old table
             os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # what was given, not the temporary file
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         self._source = str(path)
+
+
+def check_writable(path: str | Path) -> None:
+    """``ValueError`` naming ``path`` as given when a table cannot be written there: a
+    folder, or in a folder that does not exist."""
+    given, path = str(path), Path(path)
+    if path.is_dir():
+        raise ValueError(f"{given}: is a folder; give the table's file name (e.g. {path / 'latency.json'})")
+    if not path.parent.is_dir():
+        raise ValueError(f"{given}: its folder {path.parent} does not exist")
 
 
 def parse_latency_table(data: object, source: str) -> LatencyTable:

@@ -12,11 +12,12 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ..bounds import MAX_MS, MIN_MS, number
 from ..manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierEntry, load_manifest
 from ..memory import WORKING_SET_FACTOR, check_batch_memory
 from ..timing import interleaved_median_ms
 from .adaptive import AdaptivePolicy, Candidate, Deadline
-from .nested import TIER_INPUT, TierSession
+from .nested import TIER_INPUT, TierSession, nested_metadata
 from .session import CPU_PROVIDER, create_session
 
 class NoTierFits(ValueError):
@@ -60,9 +61,16 @@ class TierRuntime:
             manifest's latency at export.
         precisions: the precisions the policy may serve (default: all).
         clock: seconds, monotonic: times the adaptive requests (injectable for tests).
+        low_memory: sessions without constant folding: a nested model's session keeps one copy
+            of the shared weights instead of every tier's, and cuts the tier's weights out of
+            them at every run (slower: see the nested model's documentation for when it wins).
 
-    Raises :class:`ManifestError` for a manifest that cannot be read or is inconsistent,
-    ``ValueError`` for a policy without a starting estimate for some entry.
+    onnxruntime's own log lines are off unless ``NEFL_ZOO_ORT_LOG`` asks for them
+    (:func:`~nefl_zoo.runtime.session.ort_log_severity`).
+
+    Raises :class:`ManifestError` for a manifest that cannot be read or is inconsistent, and
+    for a failure of onnxruntime while loading or running an entry (one line naming the file
+    and the entry); ``ValueError`` for a policy without a starting estimate for some entry.
 
     Examples:
         >>> import numpy as np
@@ -79,6 +87,7 @@ class TierRuntime:
         self, manifest_path: str | Path, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None,
         policy: Deadline | None = None, latencies: Mapping[str, float] | None = None,
         precisions: Sequence[str] | None = None, clock: Callable[[], float] = time.perf_counter,
+        low_memory: bool = False,
     ):
         path = Path(manifest_path)
         self.manifest_path = path / MANIFEST_NAME if path.is_dir() else path
@@ -86,7 +95,9 @@ class TierRuntime:
         self.root = self.manifest_path.parent  # tier files must resolve inside it
         self.providers = tuple(providers)
         self.threads = threads
+        self.low_memory = low_memory
         self._sessions: dict[str, ort.InferenceSession] = {}  # by file: a nested model serves every entry in it
+        self._views: dict[str, TierSession] = {}  # by label
         self.selection: Selection = self.select()
         self.clock = clock
         self.adaptive: AdaptivePolicy | None = None
@@ -103,26 +114,36 @@ class TierRuntime:
             for label in self.adaptive.ladder:  # created and run once: a first run's set-up is no slowdown
                 self.session(label).run(None, warmup)
 
-    def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession | TierSession:
+    def session(self, tier: str, precision: str | None = None) -> TierSession:
         """The session of an entry (:meth:`Manifest.tier`). Each file is read, checked against
-        its sha256 and opened once, on first use, and cached; ``KeyError`` for no such entry,
-        :class:`ManifestError` for a file that fails its checks.
+        its sha256 and opened once, on first use, and cached.
 
         Args:
             tier: an entry's label, or a tier's name.
             precision: the precision, with a tier's name.
 
         Returns:
-            The onnxruntime session, or for a nested model a :class:`TierSession`.
+            A :class:`TierSession` over its file's session that feeds a nested model the
+            entry's index and names the file and entry when onnxruntime fails.
+
+        Raises:
+            KeyError: no such entry.
+            ManifestError: a file that fails its checks, or that onnxruntime cannot load.
         """
         entry = self.manifest.tier(tier, precision)
+        path = self.root / entry.file
         if entry.file not in self._sessions:
-            path = self.root / entry.file
-            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes)
+            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes,
+                                     low_memory=self.low_memory, tier=entry.label)
             self._check_io(session, str(path))
+            if self.manifest.format == "nested":
+                self._check_tiers(session, entry.file)
             self._sessions[entry.file] = session
         session = self._sessions[entry.file]
-        return session if entry.index is None else TierSession(session, entry.index)
+        view = self._views.get(entry.label)
+        if view is None or view.session is not session:
+            view = self._views[entry.label] = TierSession(session, entry.index, str(path), entry.label)
+        return view
 
     def _check_io(self, session: ort.InferenceSession, source: str) -> None:
         """:class:`ManifestError` unless the model takes the manifest's input (name, shape,
@@ -151,6 +172,23 @@ class TierRuntime:
             raise ManifestError(
                 where, "output.num_classes", f"{self.manifest.output.num_classes}, but {Path(source).name} gives {classes} logits"
             )
+
+    def _check_tiers(self, session: ort.InferenceSession, name: str) -> None:
+        """:class:`ManifestError` unless every entry of the nested file ``name`` points at a
+        tier its tier table holds, by index and name."""
+        try:
+            table = [t.get("name") if isinstance(t, dict) else None for t in nested_metadata(session)["tiers"]]
+        except ValueError as exc:
+            raise ManifestError(str(self.root / name), "metadata_props", str(exc)) from None
+        for i, entry in enumerate(self.manifest.tiers):
+            if entry.file != name:
+                continue
+            if not 0 <= entry.index < len(table):
+                raise ManifestError(str(self.manifest_path), f"tiers[{i}].index",
+                                    f"{entry.index}, but {name} holds {len(table)} tiers (0..{len(table) - 1}); re-export")
+            if table[entry.index] != entry.name:
+                raise ManifestError(str(self.manifest_path), f"tiers[{i}].index",
+                                    f"{entry.index} is tier {table[entry.index]!r} in {name}, not {entry.name!r}; re-export")
 
     def select(
         self,
@@ -185,7 +223,8 @@ class TierRuntime:
             The choice, which ``run(batch)`` (``tier="auto"``) now serves.
 
         Raises :class:`NoTierFits` when no entry meets every budget, ``ValueError`` for a budget
-        that is negative or not finite, a batch below 1, a precision without files, or
+        that is negative or not finite, a batch below 1, a latency the adaptive policy would
+        refuse (below a microsecond or above a day), a precision without files, or
         ``latencies`` missing an entry.
         """
         budgets = {
@@ -203,6 +242,8 @@ class TierRuntime:
             missing = [t.label for t in tiers if t.label not in latencies]
             if missing:
                 raise ValueError(f"latencies: no latency for {', '.join(missing)} (measured {latency_source})")
+            for t in tiers:  # what the adaptive policy takes as an estimate, no less
+                number(f"latencies[{t.label}]", latencies[t.label], MIN_MS, MAX_MS)
             expected = lambda t: latencies[t.label]  # noqa: E731
         else:
             expected, latency_source = (lambda t: t.latency.median_ms), "on export"  # noqa: E731
