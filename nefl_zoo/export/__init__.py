@@ -22,7 +22,7 @@ One job per module:
     precisions  one tier's files at every precision: checked, measured, timed together
     staging     the locked staging folder, and publishing files and manifest
     tiers       export_tiers: the above for every tier
-    mobile      an export's nested models in onnxruntime's ORT format (``nefl-zoo convert-ort``)
+    mobile      an export's nested models in onnxruntime's ORT format (``convert-ort``)
 """
 
 from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION

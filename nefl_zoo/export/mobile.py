@@ -134,11 +134,25 @@ def _check(name: str, precision: str, source: ort.InferenceSession, converted: o
 
 def convert_to_ort(export: str | Path, out_dir: str | Path | None = None, style: Literal["compact", "folded"] = "compact",
                    target_platform: Literal["arm", "amd64"] = "arm", threads: int | None = None) -> list[OrtFile]:
-    """Write the ORT-format file of every nested model of the export ``export`` (a folder or
-    its ``manifest.json``) into ``out_dir`` (default: the export's folder), each checked
-    tier by tier against its ``.onnx`` file, and ``required_operators.config`` beside them.
-    ``ValueError`` for an export that is not nested or an unknown style or platform,
-    :class:`~nefl_zoo.manifest.ManifestError` for a file that does not match its manifest."""
+    """Write the ORT-format file of every nested model of an export, each checked tier by tier
+    against its ``.onnx`` file, and ``required_operators.config`` beside them.
+
+    Args:
+        export: the export folder, or its ``manifest.json``.
+        out_dir: where to write (default: the export's folder).
+        style: ``compact`` (the shared weights once, the cuts run at every request) or
+            ``folded`` (every tier's weights folded in, as onnxruntime's converter writes).
+        target_platform: ``arm`` (a file for any CPU) or ``amd64`` (x86 only).
+        threads: onnxruntime intra-op threads for the check.
+
+    Returns:
+        One :class:`OrtFile` per nested model written.
+
+    Raises:
+        ValueError: an export that is not nested, or an unknown style or platform.
+        ManifestError: a file that does not match its manifest.
+        ExportError: a tier whose logits in the ORT format differ from the ``.onnx`` file's.
+    """
     if style not in STYLES:
         raise ValueError(f"style: expected {' or '.join(STYLES)}, got {style!r}")
     if target_platform not in TARGET_PLATFORMS:

@@ -9,7 +9,9 @@ import { test } from "node:test";
 
 import * as ort from "onnxruntime-node";
 
-import { entryLabel, loadManifestEntry, loadNestedModel, manifestFiles, readNestedMetadata, sha256Hex } from "nefl-zoo-web/nested";
+import {
+  entryLabel, externalTensors, loadManifestEntry, loadNestedModel, lowMemoryOptions, manifestFiles, readNestedMetadata, sha256Hex,
+} from "nefl-zoo-web/nested";
 
 const { NEFL_EXPORT_DIR: DIR, NEFL_CASES } = process.env;
 const SKIP = DIR && NEFL_CASES ? false : "NEFL_EXPORT_DIR and NEFL_CASES are not set (tests/test_node.py sets them)";
@@ -114,7 +116,6 @@ test("bytes without the tier table are refused clearly", () => {
 
 // ---- external data refused; the low-memory mode
 
-import { externalTensors, lowMemoryOptions } from "../lib/nested.mjs";
 
 // A hand-written ModelProto: fields as [number, value] (a string or bytes: length-delimited; a
 // number: a varint), nested messages as arrays.
