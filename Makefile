@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean mutation docs docs-serve
+.PHONY: demo test install-check bench clean mutation docs docs-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ demo: $(STAMP)
 test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
+# The product as users get it (.ci/install-check): the sdist and the wheel built once, the wheel
+# installed into a fresh virtualenv at the newest releases the dependency ranges allow and at
+# their floors, and the README's commands run from an empty folder.
+install-check:
+	.ci/install-check newest lowest
+
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or reference fails.
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
 
@@ -61,4 +67,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export.py
 
 clean:
-	rm -rf $(VENV) runs exports/*/ site
+	rm -rf $(VENV) runs exports/*/ site build dist cli/web

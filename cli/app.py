@@ -20,13 +20,21 @@ class Commands(TyperGroup):
         for command in self.commands.values():
             for param in command.params:
                 if isinstance(param.type, click.Choice) and not isinstance(param.type, Choice):
-                    param.type = Choice(param.type.choices, param.type.case_sensitive)
+                    param.type = Choice.wrapping(param.type)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except click.UsageError as exc:
             raise fail(usage_message(exc)) from None
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from nefl_zoo import __version__
+
+        typer.echo(f"nefl-zoo {__version__}")
+        raise typer.Exit()
 
 
 app = typer.Typer(
@@ -37,6 +45,15 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    """Nested federated learning: model zoo, submodel specs, profiling, training and ONNX tiers."""
+
 
 from . import zoo  # noqa: E402  (registers models, specs, schema, build, profile)
 from . import export  # noqa: E402  (registers export, select, predict, bench-tiers)

@@ -17,7 +17,6 @@ from typing import Callable, Iterator, TypeVar
 
 import click
 import typer
-from typer._types import TyperChoice  # typer's Choice, which matches an Enum by its value
 
 USAGE_ERROR = 2
 TRACEBACK_ENV = "NEFL_ZOO_TRACEBACK"
@@ -53,14 +52,33 @@ def require_budget(**options: float | None) -> None:
             raise fail(f"--{name.replace('_', '-')}: must be a finite number >= 0, got {value:g}")
 
 
-class Choice(TyperChoice):
-    """The choice type of an ``Enum`` option, whose refusal reads like the project's other
-    errors: ``expected embedded or flower, got 'ray'``."""
+class Choice(click.Choice):
+    """A choice option's type whose refusal reads like the project's other errors: ``expected
+    embedded or flower, got 'ray'``. :meth:`wrapping` keeps the matching of the type typer made
+    (an ``Enum`` by its value)."""
 
-    def get_invalid_choice_message(self, value, ctx) -> str:
-        names = [self.normalize_choice(c, ctx) for c in self.choices]
-        expected = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
-        return f"expected {expected}, got {value!r}"
+    inner: click.Choice | None = None
+
+    @classmethod
+    def wrapping(cls, inner: click.Choice) -> "Choice":
+        """This type around ``inner``: ``inner`` converts, this one words the refusal."""
+        choice = cls(inner.choices, inner.case_sensitive)
+        choice.inner = inner
+        return choice
+
+    def convert(self, value, param, ctx):
+        try:
+            return (super() if self.inner is None else self.inner).convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"expected {_alternatives(self.names())}, got {value!r}", param, ctx)
+
+    def names(self) -> list[str]:
+        """The choices as a user types them (an ``Enum`` member by its value)."""
+        return [str(getattr(c, "value", c)) for c in self.choices]
+
+
+def _alternatives(names: list[str]) -> str:
+    return " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def usage_message(exc: click.UsageError) -> str:

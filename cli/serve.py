@@ -2,20 +2,24 @@
 
 The standard library's threaded HTTP server, bound to localhost by default, serves::
 
-    /                the page (web/page/index.html)
-    /app/FILE        the page's static files (web/page/)
-    /lib/FILE        the JS runtime modules (web/lib/: nested.mjs, policy.mjs)
-    /ort/FILE        onnxruntime-web's dist/ (web/node_modules/onnxruntime-web/dist/, `npm ci`)
+    /                the page (page/index.html)
+    /app/FILE        the page's static files (page/)
+    /lib/FILE        the JS runtime modules (lib/: nested.mjs, policy.mjs)
+    /ort/FILE        onnxruntime-web's WASM build
+    /noble/FILE      @noble/hashes (SHA-256 without Web Crypto, which plain HTTP lacks)
     /export/FILE     manifest.json and the nested .onnx files its tiers name, nothing else
     /samples.json    the first N test images of the manifest's input.dataset, as the project's
                      data module prepares them at the manifest's input shape (seeded random
                      inputs without labels when the dataset cannot be loaded)
 
-Every response is cross-origin isolated (COOP/COEP, so onnxruntime-web may use threads) and
-not cached (a re-export is picked up on reload). Nothing outside the four folders is served:
-each request path is resolved and refused unless it lies inside its folder. The samples are
-prepared in a background thread as the server starts (torch is imported then, never when the
-CLI starts).
+The page and what it loads come from a source checkout's web/ (onnxruntime-web and
+@noble/hashes from its node_modules, `npm ci`), or else from the copy installed with nefl-zoo
+(setup.py builds it into the wheel). Every response asks for cross-origin isolation (COOP/COEP,
+so onnxruntime-web may use threads; browsers grant it only to a secure context: localhost, or
+``--tls``) and is not cached (a re-export is picked up on reload). Nothing outside the served
+folders is served: each request path is resolved and refused unless it lies inside its folder.
+The samples are prepared in a background thread as the server starts (torch is imported then,
+never when the CLI starts).
 """
 
 from __future__ import annotations
@@ -26,20 +30,24 @@ import mimetypes
 import os
 import shutil
 import socket
+import ssl
 import sys
 import threading
 from functools import partial
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Optional
 from urllib.parse import unquote, urlsplit
 
 import typer
 
 from .errors import fail, guarded
 
-WEB = Path(__file__).resolve().parent.parent / "web"  # the repository's web/ folder
+WEB = Path(__file__).resolve().parent.parent / "web"  # a source checkout's web/ folder
+INSTALLED = Path(__file__).resolve().parent / "web"  # the copy installed with nefl-zoo (setup.py)
 ORT_DIST = Path("node_modules") / "onnxruntime-web" / "dist"
+NOBLE = Path("node_modules") / "@noble" / "hashes"
 NPM_FIX = "cd web && ONNXRUNTIME_NODE_INSTALL=skip npm ci"
 SAMPLE_SEED = 0
 MAX_SAMPLES = 10_000  # images bundled with the page (a CIFAR test split; 120 MB of float32 at 3x32x32)
@@ -117,12 +125,20 @@ def check_export(folder: Path) -> dict:
     return manifest.model_dump(mode="json")
 
 
-def ort_dist(web: Path | None = None) -> Path:
-    """onnxruntime-web's dist/ folder; :class:`ServeError` naming the fix when not installed."""
-    dist = (WEB if web is None else web) / ORT_DIST
-    if not (dist / "ort.wasm.min.mjs").is_file():
-        raise ServeError(f"onnxruntime-web is not installed ({dist} is missing); run `{NPM_FIX}`")
-    return dist
+def web_roots(web: Path | None = None) -> dict[str, Path]:
+    """The folders the page is served from, by URL prefix: ``web`` (default: the checkout's
+    web/) laid out as the repository's web/ with its node_modules, or else, with no ``web``
+    given and no checkout, the copy installed with nefl-zoo; :class:`ServeError` naming the fix."""
+    source = WEB if web is None else web
+    if (source / "page" / "index.html").is_file():
+        for package, module, check in (("onnxruntime-web", ORT_DIST, "ort.wasm.min.mjs"), ("@noble/hashes", NOBLE, "sha2.js")):
+            if not (source / module / check).is_file():
+                raise ServeError(f"{package} is not installed ({source / module} is missing); run `{NPM_FIX}`")
+        return {"app": source / "page", "lib": source / "lib", "ort": source / ORT_DIST, "noble": source / NOBLE}
+    if web is None and (INSTALLED / "page" / "index.html").is_file():
+        return {"app": INSTALLED / "page", "lib": INSTALLED / "lib", "ort": INSTALLED / "ort", "noble": INSTALLED / "noble"}
+    raise ServeError(f"{source / 'page' / 'index.html'} is missing and nefl-zoo was installed without its page "
+                     f"(reinstall nefl-zoo from a wheel, or run `{NPM_FIX}` in a checkout)")
 
 
 def sample_images(manifest: dict, count: int) -> dict:
@@ -180,12 +196,9 @@ class Site:
     to ``(body, content_type)`` or ``None`` (404)."""
 
     def __init__(self, export_dir: Path, samples: int = 64, web: Path | None = None):
-        web = WEB if web is None else web
         self.manifest = check_export(export_dir)
         self.export_dir = export_dir.resolve()
-        if not (web / "page" / "index.html").is_file():
-            raise ServeError(f"{web / 'page' / 'index.html'} is missing (serve runs from a source checkout of nefl-zoo)")
-        self.roots = {"app": web / "page", "lib": web / "lib", "ort": ort_dist(web)}
+        self.roots = web_roots(web)
         self.samples = samples
         self._samples_json: bytes | None = None
         self._samples_ready = threading.Event()
@@ -292,10 +305,27 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """One thread per connection; a browser that drops a connection is not an error."""
+    """One thread per connection; a browser that drops a connection is not an error. With a TLS
+    context each connection's handshake happens in its own thread, so a slow or failing client
+    never holds up the others."""
 
     daemon_threads = True
     block_on_close = False
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self):
+        connection, address = super().get_request()
+        if self.tls is not None:
+            connection = self.tls.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
+        return connection, address
+
+    def finish_request(self, request, client_address) -> None:
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.do_handshake()
+            except (ssl.SSLError, OSError):  # a client that does not trust the certificate, or left
+                return
+        super().finish_request(request, client_address)
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):
@@ -309,19 +339,21 @@ class Server6(Server):
 
 
 def make_server(export_dir: Path, host: str = "127.0.0.1", port: int = 0, samples: int = 64,
-                quiet: bool = True, web: Path | None = None) -> Server:
-    """A server of ``export_dir``'s page (not yet serving: call ``serve_forever``);
-    :class:`ServeError` (or the manifest reader's error) for what cannot be served."""
+                quiet: bool = True, web: Path | None = None, tls: ssl.SSLContext | None = None) -> Server:
+    """A server of ``export_dir``'s page (not yet serving: call ``serve_forever``), over HTTPS
+    with ``tls``; :class:`ServeError` (or the manifest reader's error) for what cannot be served."""
     site = Site(export_dir, samples, web)
     server = (Server6 if ":" in host else Server)((host, port), partial(Handler, site=site, quiet=quiet))
     server.site = site  # type: ignore[attr-defined]
+    server.tls = tls
     return server
 
 
 def url_of(server: Server) -> str:
+    """The URL the server's page is at (``https`` when it serves TLS)."""
     host, port = server.server_address[:2]
     shown = f"[{host}]" if ":" in str(host) else host
-    return f"http://{shown}:{port}/"
+    return f"{'https' if server.tls else 'http'}://{shown}:{port}/"
 
 
 def serve(
@@ -330,9 +362,14 @@ def serve(
     port: int = typer.Option(8000, help="port to listen on (0: any free port)"),
     samples: int = typer.Option(64, help=f"test images of the manifest's dataset bundled with the page (at most {MAX_SAMPLES})"),
     log: bool = typer.Option(False, "--log/--no-log", help="print one line per request (on stderr)"),
+    tls: bool = typer.Option(False, "--tls", help="serve HTTPS with a self-signed certificate (its fingerprint is printed): "
+                             "a phone on the local network then gets a secure context and onnxruntime-web's threads"),
+    cert: Optional[Path] = typer.Option(None, "--cert", help="HTTPS with this PEM certificate (with --key) instead of a self-signed one"),
+    key: Optional[Path] = typer.Option(None, "--key", help="the private key (PEM) of --cert"),
 ) -> None:
     """Serve a local page that runs the export's tiers in the browser (onnxruntime-web): predictions,
-    adaptive tier choice under a deadline, and a latency table for `select --latency-table`."""
+    adaptive tier choice under a deadline, and a latency table for `select --latency-table`.
+    A phone on the local network opens it with --host 0.0.0.0 (add --tls for threads)."""
     from nefl_zoo.manifest import ManifestError
 
     from nefl_zoo.bounds import MAX_PORT, host as checked_host, number
@@ -340,15 +377,22 @@ def serve(
     number("--samples", samples, 1, MAX_SAMPLES, integer=True)  # a ValueError is one line, exit 2 (guarded)
     number("--port", port, 0, MAX_PORT, integer=True)
     checked_host("--host", host)
+    from .tls import options_context
+
     try:
-        server = make_server(export_dir, host, port, samples, quiet=not log)
-    except (ServeError, ManifestError) as exc:
+        context, fingerprint = options_context(tls, cert, key, host)
+        server = make_server(export_dir, host, port, samples, quiet=not log, tls=context)
+    except (ServeError, ManifestError, ValueError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"--host {host} --port {port}: cannot listen ({exc.strerror or exc}); --port 0 takes any free port") from None
     if host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host}: other machines can reach the page", err=True)
+        if context is None:
+            typer.echo("note: over plain HTTP another device runs the page single-threaded; --tls gives it threads", err=True)
     typer.echo(f"serving {export_dir} at {url_of(server)} (Ctrl-C stops)")
+    if fingerprint is not None:
+        typer.echo(f"certificate SHA-256 fingerprint: {fingerprint}")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -362,4 +406,4 @@ def register(app: typer.Typer) -> None:
     app.command()(guarded(serve))
 
 
-__all__ = ["Site", "ServeError", "make_server", "register", "serve", "url_of"]
+__all__ = ["Site", "ServeError", "make_server", "register", "serve", "url_of", "web_roots"]

@@ -34,7 +34,7 @@ def _setup(threads: int | None) -> None:
 
 
 def train(
-    config: Optional[Path] = typer.Argument(None, help="training config YAML (specs/train/*.yaml); omit with --resume"),
+    config: Optional[str] = typer.Argument(None, help="training config YAML, or a shipped config's name (`nefl-zoo configs`); omit with --resume"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="run directory (default: runs/NAME-METHOD-sSEED)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory from its checkpoint"),
     set_: List[str] = typer.Option([], "--set", help="override a config key, e.g. --set rounds=3 --set data.alpha=0.5"),
@@ -113,7 +113,7 @@ def clientapp(
 
 
 def compare(
-    config: Path = typer.Argument(..., help="training config YAML shared by every method"),
+    config: str = typer.Argument(..., help="training config YAML shared by every method, or a shipped config's name (`nefl-zoo configs`)"),
     methods: Optional[str] = typer.Option(
         None, "--methods",
         help="comma-separated methods (default: nefl,fjord,heterofl,depthfl); METHOD:VARIANT sets method_args.variant; "
@@ -210,9 +210,54 @@ def methods(as_json: bool = json_option()) -> None:
     console().print(table)
 
 
+def configs(as_json: bool = json_option()) -> None:
+    """List the shipped training configs, which `train` and `compare` take by name."""
+    from nefl_zoo.fl.config import shipped_configs, shipped_configs_dir
+    from nefl_zoo.userfiles import read_text, read_yaml
+
+    rows = []
+    for name in shipped_configs():
+        path = shipped_configs_dir() / f"{name}.yaml"
+        data = read_yaml(path)
+        spec = data.get("spec")
+        rows.append({
+            "config": name,
+            "method": data.get("method", "nefl"),
+            "model": spec.get("model") if isinstance(spec, dict) else spec,
+            "dataset": (data.get("data") or {}).get("dataset"),
+            "rounds": data.get("rounds"),
+            "description": _header(read_text(path)),
+        })
+    if as_json:
+        print_json(rows)
+        return
+    from rich.table import Table
+
+    from .console import console
+
+    table = Table("config", "method", "model", "dataset", "rounds", "description")
+    for r in rows:
+        table.add_row(r["config"], r["method"], str(r["model"]), str(r["dataset"]), str(r["rounds"]), r["description"])
+    console().print(table)
+
+
+def _header(text: str, width: int = 80) -> str:
+    """The first sentence of a YAML file's leading comment, cut at ``width`` characters."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    sentence = " ".join(" ".join(lines).split())
+    end = sentence.find(". ")
+    sentence = sentence if end < 0 else sentence[: end + 1]
+    return sentence if len(sentence) <= width else sentence[: width - 3].rstrip() + "..."
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``train``, ``compare``, ``methods`` and ``clientapp`` to the ``nefl-zoo`` app."""
+    """Add ``train``, ``compare``, ``configs``, ``methods`` and ``clientapp`` to the ``nefl-zoo`` app."""
     app.command("train")(guarded(train))
+    app.command("configs")(guarded(configs))
     app.command("compare")(guarded(compare))
     app.command("methods")(guarded(methods))
     app.command("clientapp")(guarded(clientapp))

@@ -46,7 +46,7 @@ def _fresh_nesting_plans():
     """Each test file analyses the networks it nests itself: no plan cached by another file (or,
     under mutation testing, by the clean run the mutants are forked from) stands in for the code
     under test."""
-    from nefl_zoo.nest.plan import _PLANS
+    from nefl_zoo.nesting.plan import _PLANS
 
     _PLANS.clear()
 

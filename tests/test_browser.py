@@ -12,7 +12,12 @@ results are read from its `window.nefl` hook:
 * the latency table the page downloads is a valid table of the export that
   `nefl-zoo select --latency-table` uses;
 * a model file that is not the manifest's (one byte changed on the wire) is refused;
-* a screenshot of the page is saved (its path is printed).
+* a phone on the local network: the page opened by a host name that is not this machine's
+  (``phone.test``, mapped onto loopback by Chromium's host resolver rules, so the origin is
+  not a secure context and has no Web Crypto) at 390 px wide checks the file, predicts what
+  Python predicts on one thread, fits the screen, and says which tier its status is about; over
+  ``serve --tls`` the same page gets a secure context, cross-origin isolation and threads;
+* screenshots of the page (desktop and phone-sized) are saved (their paths are printed).
 
 Skipped with the reason when playwright, chromium or web/node_modules are missing, unless the
 CI environment variable is set: then it fails.
@@ -38,9 +43,12 @@ from nefl_zoo.manifest import load_manifest
 from nefl_zoo.runtime.latency import parse_latency_table
 from nefl_zoo_cli.app import app
 from nefl_zoo_cli.serve import NPM_FIX, ORT_DIST, WEB, make_server, url_of
+from nefl_zoo_cli.tls import self_signed, server_context
 
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
+PHONE_HOST = "phone.test"  # resolved onto loopback by the browser: a name, so not a secure context
+PHONE = {"width": 390, "height": 844}
 TRACES = Path(__file__).parent / "data" / "policy_traces.json"
 TOLERANCE = 1e-4
 
@@ -70,9 +78,9 @@ def export_dir(requirements, nested_export_dir):
     return nested_export_dir
 
 
-@pytest.fixture(scope="module")
-def server(export_dir):
-    httpd = make_server(export_dir, port=0)
+def serving(export_dir, **options):
+    """A started server of ``export_dir``; yields its URL."""
+    httpd = make_server(export_dir, port=0, **options)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield url_of(httpd)
@@ -81,11 +89,17 @@ def server(export_dir):
 
 
 @pytest.fixture(scope="module")
+def server(export_dir):
+    yield from serving(export_dir)
+
+
+@pytest.fixture(scope="module")
 def browser(requirements):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                              args=[f"--host-resolver-rules=MAP {PHONE_HOST} 127.0.0.1"])
         yield chromium
         chromium.close()
 
@@ -94,9 +108,9 @@ class Page:
     """A page of the server with every other request blocked and recorded, and the page's
     uncaught errors recorded."""
 
-    def __init__(self, browser, url: str):
-        self.url = url
-        self.context = browser.new_context(accept_downloads=True, viewport={"width": 1100, "height": 900})
+    def __init__(self, browser, url: str, query: str = "", viewport: dict | None = None, **options):
+        self.url, self.query = url, query
+        self.context = browser.new_context(accept_downloads=True, viewport=viewport or {"width": 1100, "height": 900}, **options)
         self.page = self.context.new_page()
         self.outside: list[str] = []
         self.errors: list[str] = []
@@ -111,7 +125,7 @@ class Page:
             route.abort()
 
     def open(self) -> dict:
-        self.page.goto(self.url)
+        self.page.goto(self.url + self.query)
         return self.page.evaluate("window.nefl.ready")
 
     def close(self) -> None:
@@ -147,12 +161,19 @@ def test_the_page_is_cross_origin_isolated_and_lists_the_tiers(page, export_dir)
 
 def test_every_tier_and_precision_predicts_what_python_predicts(page, server, export_dir):
     manifest = load_manifest(export_dir)
-    images, labels = samples_of(server)
-    assert labels is not None and len(labels) == len(images) == 64  # digits: real test images
     predictions = page.evaluate("nefl.predictAll()")
     assert sorted(predictions) == sorted(t.label for t in manifest.tiers)
+    assert_like_python(predictions, server, export_dir)
+
+
+def assert_like_python(predictions: dict, server: str, export_dir: Path) -> None:
+    """Every entry the page predicted (label -> result) gives Python's onnxruntime's logits on
+    the same file and images."""
+    manifest = load_manifest(export_dir)
+    images, labels = samples_of(server)
+    assert labels is not None and len(labels) == len(images) == 64  # digits: real test images
     sessions: dict[str, ort.InferenceSession] = {}
-    for entry in manifest.tiers:
+    for entry in (t for t in manifest.tiers if t.label in predictions):
         if entry.file not in sessions:
             sessions[entry.file] = ort.InferenceSession(str(export_dir / entry.file), providers=["CPUExecutionProvider"])
         feed = {manifest.input.name: images, "tier": np.array(entry.index, dtype=np.int64)}
@@ -259,3 +280,99 @@ def test_screenshot_of_the_page(page, tmp_path):
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 10_000
     print(f"screenshot: {path}")
+
+
+def test_a_phone_over_plain_http_runs_the_page_on_one_thread(browser, server, export_dir, tmp_path):
+    phone = server.replace("127.0.0.1", PHONE_HOST)
+    session = Page(browser, phone, query="?threads=2", viewport=PHONE, is_mobile=True, has_touch=True)
+    try:
+        assert session.open() == {"ok": True, "error": None}
+        page = session.page
+        assert page.evaluate("[isSecureContext, typeof crypto.subtle, crossOriginIsolated]") == [False, "undefined", False]
+        footer = page.locator("#footer").inner_text()
+        assert "(WASM, 1 thread(s))" in footer and "no secure context" in footer and "2 threads asked, one thread" in footer
+        assert "verified" in page.locator("#file-status").inner_text()  # the sha256, without Web Crypto
+        assert_like_python(page.evaluate("nefl.predictAll('fp32')"), server, export_dir)
+        assert_fits(page)
+        path = tmp_path / "serve-page-phone.png"
+        page.screenshot(path=str(path), full_page=True)
+        assert path.stat().st_size > 10_000
+        print(f"phone screenshot: {path}")
+        assert session.outside == [] and session.errors == []
+    finally:
+        session.close()
+
+
+def assert_fits(page) -> None:
+    """Nothing of the page lies beyond the screen's width: the document does not scroll sideways
+    and every element, the tables' cells included, ends within the screen."""
+    width = page.evaluate("window.innerWidth")
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    cut = page.evaluate("""w => [...document.querySelectorAll('body *')].filter(e => {
+        const r = e.getBoundingClientRect();
+        return r.width > 0 && r.right > w + 0.5;
+      }).map(e => `${e.id || e.tagName}:${Math.round(e.getBoundingClientRect().right)}`)""", width)
+    assert cut == [], f"cut off at {width} px: {cut}"
+
+
+def test_the_status_names_the_tier_its_grid_shows(page, export_dir):
+    """After a tier change the status is about the new tier: its own accuracy once classified,
+    or that it is not classified yet; never the previous tier's figure under the new grid."""
+    manifest = load_manifest(export_dir)
+    fp32 = sorted((t for t in manifest.tiers if t.precision == "fp32"), key=lambda t: t.index)
+    first, last = fp32[0], fp32[-1]
+    page.locator("#precision").select_option("fp32")
+    page.wait_for_function("document.querySelector('#file-status').textContent.includes('verified')")
+    page.evaluate("nefl.state.predictions.clear()")
+    page.locator("#tier").select_option(str(last.index))
+    assert page.locator("#classify-status").inner_text() == f"{last.label}: not classified yet (Classify runs every tier)"
+    page.locator("#classify-run").click()
+    page.wait_for_function("document.querySelector('#classify-status').textContent.includes('right on')")
+    results = page.evaluate("Object.fromEntries([...nefl.state.predictions].map(([k, v]) => [k, v.accuracy]))")
+    for tier in (first, last):
+        page.locator("#tier").select_option(str(tier.index))
+        status = page.locator("#classify-status").inner_text()
+        assert status == f"{tier.label}: {100 * results[tier.label]:.1f}% right on 64 samples", status
+
+
+def test_the_adaptive_mode_shows_its_ladder_and_why_it_stays(page):
+    page.locator("#precision").select_option("fp32")
+    page.wait_for_function("document.querySelector('#file-status').textContent.includes('verified')")
+    page.locator("#runs").fill("30")
+    page.locator("#warmup").fill("5")
+    page.locator("#adaptive-remeasure").click()
+    page.wait_for_function("document.querySelector('#ladder-status').textContent.startsWith('Ladder')", timeout=20_000)
+    ladder = page.locator("#ladder-status").inner_text()
+    assert "median (p25–p75) in this browser" in ladder
+    spreads = page.locator("#latency-table tbody tr td:nth-child(3)").all_inner_texts()
+    assert spreads and all("–" in cell for cell in spreads)
+    page.locator("#deadline").evaluate("(s, v) => { s.value = v; s.dispatchEvent(new Event('input')); }", "0.001")
+    page.locator("#adaptive-run").click()
+    page.wait_for_function("nefl.adaptive().requests.length >= 20", timeout=10_000)
+    page.locator("#adaptive-run").click()
+    page.wait_for_function("!nefl.adaptive().running")
+    run = page.evaluate("nefl.adaptive()")
+    # a deadline no tier meets: the policy ends on its fastest step and says why it stays there
+    assert run["requests"][-1]["label"] == run["ladder"][0]
+    assert f"Not switching: {run['ladder'][0]} is the fastest step and still over the deadline" in run["why"]
+
+
+@pytest.fixture(scope="module")
+def tls_server(export_dir, tmp_path_factory):
+    cert, key = self_signed([PHONE_HOST, "127.0.0.1"], folder=tmp_path_factory.mktemp("tls"))
+    yield from serving(export_dir, tls=server_context(cert, key))
+
+
+def test_a_phone_over_tls_gets_a_secure_context_and_threads(browser, tls_server, server, export_dir):
+    phone = tls_server.replace("127.0.0.1", PHONE_HOST)
+    assert phone.startswith("https://")
+    session = Page(browser, phone, query="?threads=2", viewport=PHONE, ignore_https_errors=True)
+    try:
+        assert session.open() == {"ok": True, "error": None}
+        page = session.page
+        assert page.evaluate("[isSecureContext, typeof crypto.subtle, crossOriginIsolated]") == [True, "object", True]
+        assert "(WASM, 2 thread(s)); cross-origin isolated" in page.locator("#footer").inner_text()
+        assert_like_python(page.evaluate("nefl.predictAll('fp32')"), server, export_dir)
+        assert session.outside == [] and session.errors == []
+    finally:
+        session.close()

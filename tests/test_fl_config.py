@@ -137,3 +137,40 @@ def test_the_strategy_is_built_from_the_configs_sections():
     assert run.train == config.train and run.train.lr == 0.05 and run.eval == config.eval
     assert (run.seed, run.rounds, run.fraction) == (3, 7, 0.25) and run.spec == config.submodel_spec()
     assert run.data.root == str(config.data_root()) and run.aggregation == config.aggregation
+
+
+def test_a_shipped_config_is_taken_by_name_from_any_folder(tmp_path, monkeypatch):
+    """``digits-quick`` names the shipped file; in a shipped config, ``spec:`` may name a shipped
+    spec and a relative ``data.root`` is the working directory's, never the installed package's."""
+    from nefl_zoo.fl.config import shipped_configs, shipped_configs_dir
+    from nefl_zoo.spec import shipped_specs_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert "digits-quick" in shipped_configs() and "mnist-devices" in shipped_configs()
+    assert load_config("digits-quick").name == "digits-quick"
+    by_name = load_config("mnist-devices")  # spec: resnet20/nefl-w, data.root: data
+    assert by_name.submodel_spec() == load_config(shipped_specs_dir() / "train" / "mnist-devices.yaml").submodel_spec()
+    assert by_name.data_root() == tmp_path / "data"
+    assert by_name.to_dict()["data"]["root"] == str(tmp_path / "data")
+    assert shipped_configs_dir() not in by_name.data_root().parents
+
+
+@pytest.mark.parametrize("given, words", [
+    ("digits-quik", "digits-quik: no such config file or shipped config (shipped: cifar10-iid-resnet18, "),
+    ("missing.yaml", "missing.yaml: cannot read"),
+    ("folder/digits-quick", "folder/digits-quick: cannot read"),
+])
+def test_an_unknown_config_name_lists_the_shipped_ones(tmp_path, monkeypatch, given, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_config(given)
+    assert str(error.value).startswith(words) and len(str(error.value).splitlines()) == 1
+
+
+def test_a_config_file_beside_the_users_own_spec_still_wins_over_a_shipped_name(tmp_path):
+    (tmp_path / "resnet20").mkdir()
+    (tmp_path / "resnet20" / "nefl-w").write_text("model: resnet20\ntiers: [{name: only, gamma_w: 0.5}, {name: all}]\n")
+    (tmp_path / "run.yaml").write_text("spec: resnet20/nefl-w\n")
+    assert [t.name for t in load_config(tmp_path / "run.yaml").submodel_spec().tiers] == ["only", "all"]
+    (tmp_path / "resnet20" / "nefl-w").unlink()
+    assert [t.name for t in load_config(tmp_path / "run.yaml").submodel_spec().tiers] == ["g0.2", "g0.4", "g0.6", "g0.8", "g1"]

@@ -49,6 +49,7 @@ def make_web(tmp_path: Path) -> Path:
         "lib/nested.mjs": "export const nested = 1;",
         "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs": "export const ort = 1;",
         "node_modules/onnxruntime-web/dist/ort-wasm-simd-threaded.wasm": b"\0asm\x01\0\0\0",
+        "node_modules/@noble/hashes/sha2.js": "export const sha256 = 1;",
         "secret.txt": "not served",
     }
     for name, content in files.items():
@@ -136,6 +137,7 @@ def request(httpd, path: str, method: str = "GET") -> tuple[int, dict[str, str],
         ("/lib/nested.mjs", "lib/nested.mjs", "text/javascript; charset=utf-8"),
         ("/ort/ort.wasm.min.mjs", "node_modules/onnxruntime-web/dist/ort.wasm.min.mjs", "text/javascript; charset=utf-8"),
         ("/ort/ort-wasm-simd-threaded.wasm", "node_modules/onnxruntime-web/dist/ort-wasm-simd-threaded.wasm", "application/wasm"),
+        ("/noble/sha2.js", "node_modules/@noble/hashes/sha2.js", "text/javascript; charset=utf-8"),
         ("/export/manifest.json", "../export/manifest.json", "application/json"),
         ("/export/nested.fp32.onnx", "../export/nested.fp32.onnx", "application/octet-stream"),
         ("/export/nested.int8.onnx?v=1", "../export/nested.int8.onnx", "application/octet-stream"),
@@ -348,3 +350,82 @@ def test_only_a_host_other_machines_reach_is_warned_about(web, export, unchecked
     code, output = invoke(export, "--host", host, "--port", 0)
     assert code == 0, output
     assert (f"warning: listening on {host}: other machines can reach the page" in output) == warned
+
+
+def test_without_a_checkout_the_page_is_served_from_the_installed_copy(tmp_path, export, unchecked, monkeypatch):
+    """A wheel has no web/ beside the package: the copy setup.py built into it (page, lib, ort,
+    noble) is served; with neither, one line names the fix."""
+    checkout = make_web(tmp_path / "checkout")
+    installed = tmp_path / "installed"
+    for prefix, source in {"page": "page", "lib": "lib", "ort": serve.ORT_DIST, "noble": serve.NOBLE}.items():
+        shutil.copytree(checkout / source, installed / prefix)
+    monkeypatch.setattr(serve, "WEB", tmp_path / "site-packages" / "web")  # no checkout there
+    monkeypatch.setattr(serve, "INSTALLED", installed)
+    assert serve.web_roots() == {"app": installed / "page", "lib": installed / "lib", "ort": installed / "ort",
+                                 "noble": installed / "noble"}
+    site = serve.Site(export, samples=1)
+    assert site.resolve("/noble/sha2.js") == (installed / "noble" / "sha2.js", "text/javascript; charset=utf-8")
+    assert site.resolve("/ort/ort-wasm-simd-threaded.wasm")[0] == installed / "ort" / "ort-wasm-simd-threaded.wasm"
+    monkeypatch.setattr(serve, "INSTALLED", tmp_path / "nothing")
+    code, output = invoke(export, "--port", 0)
+    assert code == 2 and "installed without its page" in one_error(output)
+
+
+def test_a_missing_noble_hashes_names_npm_ci(tmp_path, web, export, unchecked, monkeypatch):
+    monkeypatch.setattr(serve, "WEB", web)
+    (web / serve.NOBLE / "sha2.js").unlink()
+    code, output = invoke(export, "--port", 0)
+    assert code == 2 and "@noble/hashes is not installed" in one_error(output) and "npm ci" in output
+
+
+def test_tls_serves_https_with_a_cached_self_signed_certificate(web, export, unchecked, monkeypatch, tmp_path):
+    """--tls: the certificate is made once into the cache folder (private files) and its SHA-256
+    fingerprint printed; a second start reuses it; the page is served over HTTPS."""
+    import ssl
+
+    from nefl_zoo_cli import tls
+
+    monkeypatch.setattr(serve, "WEB", web)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    printed = []
+
+    def interrupted(self, poll_interval=0.5):
+        printed.append(serve.url_of(self))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve.Server, "serve_forever", interrupted)
+    first = invoke(export, "--port", 0, "--tls")
+    certs = sorted((tmp_path / "cache" / "nefl-zoo" / "tls").glob("*.crt"))
+    assert first[0] == 0 and len(certs) == 1 and printed[0].startswith("https://127.0.0.1:")
+    assert f"certificate SHA-256 fingerprint: {tls.fingerprint(certs[0])}" in first[1]
+    assert len(tls.fingerprint(certs[0])) == 32 * 3 - 1
+    assert oct(certs[0].with_suffix(".key").stat().st_mode & 0o777) == "0o600"
+    assert invoke(export, "--port", 0, "--tls")[1] == first[1].replace(printed[0], printed[1])  # the same certificate
+    cert, key = certs[0], certs[0].with_suffix(".key")
+    httpd = serve.make_server(export, port=0, web=web, tls=tls.server_context(cert, key))
+    thread = threading.Thread(target=serve.Server.__mro__[1].serve_forever, args=(httpd,), kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        client = ssl.create_default_context(cafile=str(cert))
+        host, port = httpd.server_address[:2]
+        connection = http.client.HTTPSConnection("localhost", port, context=client, timeout=30)
+        connection.request("GET", "/app/app.mjs")
+        response = connection.getresponse()
+        assert response.status == 200 and response.read() == b"export const app = 1;"
+        connection.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cert", "cert.pem"], "--cert and --key: give both"),
+    (["--cert", "cert.pem", "--key", "key.pem"], "not a PEM certificate and its private key"),
+])
+def test_a_bad_certificate_is_one_line_and_exit_2(web, export, unchecked, monkeypatch, tmp_path, args, message):
+    monkeypatch.setattr(serve, "WEB", web)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    (tmp_path / "key.pem").write_text("not a key")
+    code, output = invoke(export, "--port", 0, *args)
+    assert code == 2 and message in one_error(output)

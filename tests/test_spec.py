@@ -138,6 +138,17 @@ def test_a_spec_is_a_file_path_or_a_shipped_name(tmp_path, monkeypatch):
     assert shipped_specs_dir() == tmp_path and resolve_spec_path("x") == tmp_path / "x.yaml"
 
 
+def test_load_spec_takes_a_shipped_name_as_the_cli_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository: the name is found in the installed specs
+    by_name = load_spec("resnet110/nefl-wd")
+    assert by_name == load_spec(shipped_specs_dir() / "resnet110" / "nefl-wd.yaml") and by_name.model == "resnet110"
+    with pytest.raises(SpecError) as unknown:
+        load_spec("resnet110/nefl-x")
+    assert str(unknown.value) == "resnet110/nefl-x: no such spec file or shipped spec (see `nefl-zoo specs`)"
+    with pytest.raises(SpecError, match="cannot read"):  # a file name stays a file name
+        load_spec("resnet110/nefl-wd.yaml")
+
+
 def test_stage_depths_and_parameters_of_a_zoo_model():
     from nefl_zoo.spec import model_shape, stage_depths
 

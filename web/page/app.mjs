@@ -16,8 +16,12 @@ import { entryLabel, loadNestedModel, sha256Hex } from "/lib/nested.mjs";
 import { AdaptivePolicy, Candidate, Deadline } from "/lib/policy.mjs";
 
 const params = new URLSearchParams(location.search);
+// Threads need cross-origin isolation, which a browser grants only to a secure context
+// (localhost, or `serve --tls`): over plain HTTP from another device the page runs on one thread.
+const ISOLATED = globalThis.crossOriginIsolated === true;
+const ASKED_THREADS = Math.max(0, Math.floor(Number(params.get("threads")) || 0));
 ort.env.wasm.wasmPaths = "/ort/";
-ort.env.wasm.numThreads = Math.max(1, Number(params.get("threads")) || 1);
+ort.env.wasm.numThreads = ISOLATED ? ASKED_THREADS || Math.min(4, Math.ceil((navigator.hardwareConcurrency || 1) / 2)) : 1;
 ort.env.logLevel = "error";
 
 const LATENCY_SCHEMA = "nefl-zoo-latency-table";
@@ -32,6 +36,7 @@ const state = {
   models: new Map(), // precision -> Promise<NestedModel> (verified)
   precision: null, // the precision shown
   latency: null, // the latency table object, once measured
+  spread: new Map(), // label -> {median, p25, p75, p95} of its measured runs
   predictions: new Map(), // label -> {tier, precision, index, argmax, logits, dims, accuracy}
 };
 
@@ -67,12 +72,13 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-/** Python's statistics.median and latency.median_p95's nearest-rank 95th percentile. */
-function medianP95(times) {
+/** Python's statistics.median and latency.median_p95's nearest-rank 95th percentile, with the
+ * nearest-rank quartiles (the spread shown beside the median). */
+function latencyStats(times) {
   const s = [...times].sort((a, b) => a - b);
   const mid = Math.floor(s.length / 2);
-  const median = s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2;
-  return [median, s[Math.ceil(0.95 * s.length) - 1]];
+  const rank = (q) => s[Math.max(0, Math.ceil(q * s.length) - 1)];
+  return { median: s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2, p25: rank(0.25), p75: rank(0.75), p95: rank(0.95) };
 }
 
 /** A seeded normal batch (mulberry32 + Box-Muller), so that every run times the same input. */
@@ -214,6 +220,7 @@ async function choosePrecision(precision) {
   $("precision").value = precision;
   $("file-status").textContent = `loading ${entries(precision)[0].file}…`;
   renderTiers();
+  showPrediction();
   try {
     const loaded = await model(precision);
     $("file-status").replaceChildren(
@@ -221,12 +228,12 @@ async function choosePrecision(precision) {
       el("span", { class: "ok" }, "verified"),
       `; ${loaded.nested.tiers.length} tiers in the file`,
     );
-    for (const b of ["classify-run", "adaptive-run", "latency-run"]) $(b).disabled = false;
+    for (const b of ["classify-run", "adaptive-run", "adaptive-remeasure", "latency-run"]) $(b).disabled = false;
     $("tier").disabled = false;
     return loaded;
   } catch (error) {
     $("file-status").replaceChildren(el("span", { class: "bad" }, "refused"));
-    for (const b of ["classify-run", "adaptive-run"]) $(b).disabled = true;
+    for (const b of ["classify-run", "adaptive-run", "adaptive-remeasure"]) $(b).disabled = true;
     showError(error.message);
     throw error;
   }
@@ -292,18 +299,25 @@ async function classifyPrecision(precision) {
   return out;
 }
 
+/** The grid and the status line of the tier chosen now: its predictions, or that it has none
+ * yet (never another tier's: the status always names the tier whose grid is shown). */
+function showPrediction(note = "") {
+  const entry = entries(state.precision).find((e) => String(e.index) === $("tier").value);
+  const prediction = entry && state.predictions.get(labelOf(entry));
+  if (state.samples) renderSamples(prediction ?? null);
+  let text = "";
+  if (entry && !prediction) text = `${labelOf(entry)}: not classified yet (Classify runs every tier)`;
+  else if (prediction && prediction.accuracy === null) text = `${labelOf(entry)}: predicted (no labels: random inputs)`;
+  else if (prediction) text = `${labelOf(entry)}: ${percent(prediction.accuracy)} right on ${state.samples.count} samples`;
+  $("classify-status").textContent = text + note;
+}
+
 async function classify() {
   $("classify-status").textContent = "running…";
   const started = performance.now();
   await classifyPrecision(state.precision);
-  const entry = entries(state.precision).find((e) => String(e.index) === $("tier").value);
-  const prediction = state.predictions.get(labelOf(entry));
-  renderSamples(prediction);
   renderTiers();
-  const ms = performance.now() - started;
-  $("classify-status").textContent = prediction.accuracy === null
-    ? `${labelOf(entry)}: predicted (no labels: random inputs); every tier in ${ms.toFixed(0)} ms`
-    : `${labelOf(entry)}: ${percent(prediction.accuracy)} right on ${state.samples.count} samples; every tier in ${ms.toFixed(0)} ms`;
+  showPrediction(`; every tier in ${(performance.now() - started).toFixed(0)} ms`);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -354,18 +368,21 @@ async function measureLatency({ runs = 30, warmup = 5 } = {}) {
     runs,
     warmup,
     entries: calls.map(({ label, loaded, times }) => {
-      const [median, p95] = medianP95(times);
+      const { median, p95 } = latencyStats(times);
       return { label, sha256: loaded.sha256, batch, median_ms: median, p95_ms: p95, runs };
     }),
   };
+  state.spread = new Map(calls.map(({ label, times }) => [label, latencyStats(times)]));
   return state.latency;
 }
 
 function renderLatency() {
   const body = $("latency-table").querySelector("tbody");
-  body.replaceChildren(...state.latency.entries.map((e) =>
-    el("tr", {}, el("td", {}, e.label), el("td", { class: "num" }, fmt(e.median_ms)), el("td", { class: "num" }, fmt(e.p95_ms)),
-      el("td", { class: "num" }, e.runs))));
+  body.replaceChildren(...state.latency.entries.map((e) => {
+    const { p25, p75 } = state.spread.get(e.label);
+    return el("tr", {}, el("td", {}, e.label), el("td", { class: "num" }, fmt(e.median_ms)),
+      el("td", { class: "num" }, `${fmt(p25)}–${fmt(p75)}`), el("td", { class: "num" }, fmt(e.p95_ms)), el("td", { class: "num" }, e.runs));
+  }));
   renderTiers();
   setDeadlineRange();
 }
@@ -395,7 +412,7 @@ function downloadLatency() {
 // ---------------------------------------------------------------------------------------------
 // adaptive section
 
-const adaptive = { running: false, policy: null, log: [], switches: [], colours: new Map(), deadlineSet: false };
+const adaptive = { running: false, policy: null, log: [], switches: [], colours: new Map(), deadlineSet: false, loop: null };
 
 /** The current precision's entries as the policy's candidates, expected at this browser's medians. */
 function candidates() {
@@ -435,6 +452,56 @@ function newPolicy() {
   );
   const reason = `deadline ${deadline.ms.toFixed(3)} ms: start`;
   adaptive.switches.push({ at: performance.now(), from: null, to: adaptive.policy.current, reason });
+  $("ladder-status").textContent = explainLadder();
+}
+
+const ms3 = (x) => `${x.toPrecision(3)} ms`;
+
+/** The ladder the policy switches along, each step's median and spread in this browser, and
+ * why each entry left out of it is left out. */
+function explainLadder() {
+  const policy = adaptive.policy;
+  const all = candidates();
+  const byLabel = new Map(all.map((c) => [c.label, c]));
+  const spread = (label) => {
+    const s = state.spread.get(label);
+    return s ? ` (${fmt(s.p25)}–${fmt(s.p75)})` : "";
+  };
+  const steps = policy.ladder.map((label) => `${label} ${ms3(byLabel.get(label).expectedMs)}${spread(label)}`);
+  const rank = (c) => c.accuracy ?? c.macs;
+  const left = all.filter((c) => !policy.ladder.includes(c.label)).map((c) => {
+    const better = all.find((o) => o !== c && o.expectedMs <= c.expectedMs && rank(o) >= rank(c));
+    return better
+      ? `${c.label} (${better.label} is as fast and as accurate)`
+      : `${c.label} (within ×${policy.deadline.minSpeedup} of a neighbour's latency)`;
+  });
+  return `Ladder, fastest first, median (p25–p75) in this browser: ${steps.join(" → ")}` +
+    (left.length ? `; left out: ${left.join(", ")}` : "") +
+    (policy.ladder.length === 1 ? ". One step: the policy has nothing to switch between." : ".");
+}
+
+/** Why the policy serves what it serves now and does not switch (empty while it has no
+ * measurement since its last switch). */
+function explainStay() {
+  const policy = adaptive.policy;
+  const recent = adaptive.log.slice(-policy.deadline.recent);
+  if (!recent.length) return "";
+  const ladder = policy.ladder;
+  const at = ladder.indexOf(policy.current);
+  const budget = policy.deadline.headroom * policy.deadline.ms;
+  const over = recent.filter((r) => r.ms > r.deadline).length;
+  if (ladder.length === 1) return `Not switching: ${policy.current} is the only step of the ladder.`;
+  if (at === 0 && over) {
+    return `Not switching: ${policy.current} is the fastest step and still over the deadline ` +
+      `(${over} of the last ${recent.length} requests); no faster tier is left.`;
+  }
+  if (at === ladder.length - 1) return `Not switching: ${policy.current} is the most accurate step; nothing to probe up to.`;
+  const up = ladder[at + 1];
+  const expected = policy.expectedMs(up);
+  return expected > budget * policy.deadline.upMargin
+    ? `Not switching up: ${up} is expected at ${ms3(expected)} under the current load (×${policy.slowdown.toFixed(2)}), ` +
+      `over ${ms3(budget * policy.deadline.upMargin)} (the budget ${ms3(budget)} less its margin).`
+    : `${up} is expected at ${ms3(expected)}: the policy probes it after ${policy.deadline.probeAfterS * policy.backoff} s without a miss.`;
 }
 
 async function adaptiveLoop() {
@@ -499,6 +566,35 @@ function renderAdaptive() {
   $("switches").replaceChildren(...adaptive.switches.slice(-30).map((s) =>
     el("li", {}, s.from ? `${s.from} → ${s.to}: ${s.reason}` : `${s.to}: ${s.reason}`)));
   for (const row of $("tiers").querySelectorAll("tbody tr")) row.classList.toggle("current", row.dataset.label === policy?.current);
+  if (policy) $("ladder-status").textContent = `${explainLadder()} ${explainStay()}`;
+}
+
+/** Measure this browser's latencies with the latency section's runs and warm-up (30 and 5 by
+ * default: enough for a stable median on a busy device). */
+async function measureForPolicy() {
+  $("adaptive-status").textContent = "measuring this browser's latencies…";
+  await window.nefl.measureLatency({ runs: Number($("runs").value), warmup: Number($("warmup").value) });
+}
+
+async function remeasureClicked() {
+  const wasRunning = adaptive.running;
+  adaptive.running = false;
+  $("adaptive-remeasure").disabled = true;
+  try {
+    await adaptive.loop; // the request in flight finishes first
+    await measureForPolicy();
+    newPolicy();
+    renderAdaptive();
+    if (wasRunning) startAdaptive();
+  } finally {
+    $("adaptive-remeasure").disabled = false;
+  }
+}
+
+function startAdaptive() {
+  adaptive.running = true;
+  $("adaptive-run").textContent = "Stop";
+  adaptive.loop = adaptiveLoop().catch((error) => { adaptive.running = false; showError(error.message); });
 }
 
 async function adaptiveClicked() {
@@ -507,16 +603,9 @@ async function adaptiveClicked() {
     $("adaptive-run").textContent = "Start";
     return;
   }
-  if (!state.latency) {
-    $("adaptive-status").textContent = "measuring this browser's latencies first…";
-    await measureLatency({ runs: 10, warmup: 2 });
-    renderLatency();
-    $("latency-download").disabled = false;
-  }
+  if (!state.latency) await measureForPolicy();
   newPolicy();
-  adaptive.running = true;
-  $("adaptive-run").textContent = "Stop";
-  adaptiveLoop().catch((error) => { adaptive.running = false; showError(error.message); });
+  startAdaptive();
 }
 
 /** Python's snake_case fields as policy.mjs's camelCase ones. */
@@ -575,20 +664,20 @@ async function start() {
     ? `No test images: ${state.samples.source}. Accuracy cannot be measured.`
     : `Samples: ${state.samples.source}.`;
   renderSamples();
+  const threads = ISOLATED ? "cross-origin isolated"
+    : `not cross-origin isolated (${isSecureContext ? "" : "no secure context: plain HTTP from another device; `nefl-zoo serve --tls` gives one; "}` +
+      `${ASKED_THREADS > 1 ? `${ASKED_THREADS} threads asked, ` : ""}one thread)`;
   $("footer").textContent = `onnxruntime-web ${ort.env.versions?.web ?? ""} (WASM, ${ort.env.wasm.numThreads} thread(s)); ` +
-    `${crossOriginIsolated ? "cross-origin isolated" : "not cross-origin isolated"}; manifest sha256 ${shortSha(state.manifestSha256)}`;
+    `${threads}; manifest sha256 ${shortSha(state.manifestSha256)}`;
   await choosePrecision(first);
 }
 
 $("classify-run").addEventListener("click", () => classify().catch((e) => showError(e.message)));
-$("tier").addEventListener("change", () => {
-  const entry = entries(state.precision).find((e) => String(e.index) === $("tier").value);
-  const prediction = entry && state.predictions.get(labelOf(entry));
-  if (prediction) renderSamples(prediction);
-});
+$("tier").addEventListener("change", () => showPrediction());
 $("latency-run").addEventListener("click", latencyClicked);
 $("latency-download").addEventListener("click", downloadLatency);
 $("adaptive-run").addEventListener("click", () => adaptiveClicked().catch((e) => showError(e.message)));
+$("adaptive-remeasure").addEventListener("click", () => remeasureClicked().catch((e) => showError(e.message)));
 $("deadline").addEventListener("input", () => {
   showDeadline();
   if (adaptive.running) newPolicy(); // a new deadline: a new policy from the same latencies
@@ -624,6 +713,7 @@ window.nefl = {
     ladder: adaptive.policy?.ladder ?? [],
     requests: adaptive.log.map(({ label, ms }) => ({ label, ms })),
     switches: adaptive.switches.map(({ from, to, reason }) => ({ from, to, reason })),
+    why: $("ladder-status").textContent,
   }),
   samples: () => ({ count: state.samples.count, shape: state.samples.shape, labels: state.samples.labels, random: state.samples.random }),
 };

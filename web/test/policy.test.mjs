@@ -3,10 +3,13 @@
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { test } from "node:test";
+import { pathToFileURL } from "node:url";
 
-import { AdaptivePolicy, Candidate, Deadline, format3g, percentile } from "../lib/policy.mjs";
+import { AdaptivePolicy, Candidate, Deadline, format3g, percentile } from "nefl-zoo-web/policy";
 
-const TRACES = JSON.parse(readFileSync(new URL("../../tests/data/policy_traces.json", import.meta.url), "utf8"));
+// the repository's root: NEFL_REPO where the tests run in an app that installed the package
+const REPO = process.env.NEFL_REPO ? pathToFileURL(`${process.env.NEFL_REPO}/`) : new URL("../../", import.meta.url);
+const TRACES = JSON.parse(readFileSync(new URL("tests/data/policy_traces.json", REPO), "utf8"));
 
 /** Python's snake_case settings and fields as the port's camelCase ones. */
 const camel = (obj) => Object.fromEntries(Object.entries(obj).map(([k, v]) => [k.replace(/_(.)/g, (_, c) => c.toUpperCase()), v]));
