@@ -10,7 +10,7 @@ largest tier it finishes in time, FedAvg waiting for every online client on the 
 on the clients that fit the full model; and FjORD as its paper has it (ordered dropout per batch
 up to the client's tier, self-distillation). ``--seeds`` seeds, all scenarios one seed after the other
 (an interrupted benchmark has whole seeds), ``--jobs`` runs at a time of one torch thread each;
-finished runs are reused.
+finished runs of the same length are reused.
 
 Per scenario: the time to accuracy on the simulated clock on the worst-case submodel, the full
 model and the worst device class (each against the highest accuracy every entry reaches); what each
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 import publish
 
@@ -76,9 +77,19 @@ def papers_measures(results: dict, treatment: str) -> dict:
     return out
 
 
+def refuse_other_lengths(folder: Path, rounds: int) -> None:
+    """Stop, in one line, at a finished run of another number of rounds in ``folder``: compare
+    reuses every finished run it finds there, whatever its length."""
+    for saved in sorted(folder.glob("*/seed*/config.yaml")):
+        found = yaml.safe_load(saved.read_text())["rounds"]
+        if found != rounds:
+            raise SystemExit(f"error: {saved.parent}: a run of {found} rounds, not {rounds}; give another --out or remove it")
+
+
 def scenario(name: str, root: Path, out: Path, rounds: int, seeds: int, jobs: int) -> dict:
     """Train every entry of one scenario for ``seeds`` seeds (finished runs reused) and gather its results."""
     config = load_config(config_path(name), [f"data.root={root}", f"rounds={rounds}"])
+    refuse_other_lengths(out / name, rounds)
     stage = {"seeds": seeds, "load_before": load()}
     start = time.perf_counter()
     compare_methods(config, entries(config), seeds, out / name, jobs=jobs, threads=1, reuse=True)

@@ -415,7 +415,7 @@ def device_classes(data: dict):
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
     axes[1][0].legend(fontsize=6)
-    fig.suptitle("Where nested FL pays: MNIST, 1,000 phones and laptops, data by device class", fontsize=11)
+    fig.suptitle("Where nested FL pays\nMNIST, 1,000 phones and laptops, data by device class", fontsize=11)
     fig.tight_layout()
     return fig
 

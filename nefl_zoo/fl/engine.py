@@ -214,8 +214,13 @@ class Engine:
         return acc
 
     def evaluate_device_classes(self) -> dict:
-        """Each device class's accuracy on its clients' own test splits (``eval.device_classes``,
-        :meth:`~.device_classes.DeviceClasses.evaluate`); nothing without it."""
+        """Each device class's accuracy on its clients' own test splits (``eval.device_classes``).
+
+        Returns:
+            ``device_accuracy``, ``worst_device_class`` and ``device_class_spread`` of the global
+            state (:meth:`~.device_classes.DeviceClasses.evaluate`); empty without
+            ``eval.device_classes``.
+        """
         if self.device_classes is None:
             return {}
         with placed(self.placement):
