@@ -3,7 +3,7 @@
 ``FIGURES[NAME](results) -> matplotlib Figure``. Most results are the tables a script printed,
 as printed (``runs[*].tables``: columns and rows of cells); :func:`markdown_tables.find_table` picks the
 latest table by words of its title or columns and :func:`markdown_tables.number` reads a cell. clock,
-robust, secagg and nested write structured JSON of their own.
+device_classes, robust, secagg and nested write structured JSON of their own.
 """
 
 from __future__ import annotations
@@ -395,6 +395,31 @@ def clock(data: dict):
     return _done(fig, axes, "Time to accuracy on a simulated clock (MNIST, 1,000 devices)")
 
 
+def device_classes(data: dict):
+    scenarios = data["scenarios"]
+    fig, axes = plt.subplots(2, len(scenarios), figsize=(5 * len(scenarios), 7.2), squeeze=False)
+    for col, found in enumerate(scenarios.values()):
+        top, bottom = axes[0][col], axes[1][col]
+        labels = found["labels"]
+        for key, curve in found["curves"].items():
+            top.plot(np.array(curve["sim_time_s"]) / 60, curve["worst_device_class"], marker=".", label=labels[key])
+        top.set(title=f"{found['title']}\nworst device class (seed mean)", xlabel="simulated time (min)", ylabel="top-1 (%)")
+        names = list(next(iter(found["device_classes"].values()))["classes"])
+        x, width = np.arange(len(labels)), 0.8 / len(names)
+        for i, name in enumerate(names):
+            stats = np.array([found["device_classes"][k]["classes"][name]["tier"] for k in labels])
+            bottom.bar(x + (i - (len(names) - 1) / 2) * width, stats[:, 0], width, yerr=stats[:, 1], capsize=2, label=name)
+        bottom.set_xticks(x, [labels[k] for k in labels], rotation=30, ha="right", fontsize=6)
+        bottom.set(title="each device class on the tier it runs, at the end", ylabel="top-1 (%)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    axes[1][0].legend(fontsize=6)
+    fig.suptitle("Where nested FL pays\nMNIST, 1,000 phones and laptops, data by device class", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def secagg(data: dict):
     fig, axes = _figure(2, 4.5, 3.4)
     variants = {"plain Flower": data["plain"], "SecAgg+": data["secure"]}
@@ -410,6 +435,7 @@ def secagg(data: dict):
 
 FIGURES: dict[str, Callable[[dict], "matplotlib.figure.Figure"]] = {
     "accel": accel, "autonest": autonest, "batched_order": batched_order, "cli": cli, "clock": clock, "compare": compare,
+    "device_classes": device_classes,
     "edge": edge, "export": export, "fedavg_mnist": fedavg_mnist, "fedlps": fedlps, "fl": fl, "flower": flower,
     "latency": latency, "nested": nested, "nested_mnist": nested_mnist, "quant": quant, "robust": robust,
     "secagg": secagg, "slim": slim,

@@ -139,6 +139,27 @@ def training_batches(dataset: Dataset, config: Mapping, device: torch.device) ->
 
 
 @torch.no_grad()
+def correct(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> torch.Tensor:
+    """Whether the top-1 prediction of ``model`` (in eval mode, moved to the current placement's
+    device) is right, for every sample of ``dataset`` in order.
+
+    Args:
+        model: the model.
+        dataset: ``(image, label)`` pairs.
+        batch_size: images per batch.
+
+    Returns:
+        A bool tensor on the CPU, one flag per image of ``dataset``.
+    """
+    where = placement()
+    model.to(where.device).eval()
+    flags = []
+    for x, y in ordered_batches(dataset, batch_size, where.device):
+        with where.autocast():
+            flags.append((model(x).argmax(1) == y).cpu())
+    return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
+
+
 def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
     """Top-1 accuracy of ``model`` (in eval mode, moved to the current placement's device) on
     ``dataset``.
@@ -151,11 +172,5 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) ->
     Returns:
         The share of images whose top class is the label (0 for an empty dataset).
     """
-    where = placement()
-    model.to(where.device).eval()
-    correct = total = 0
-    for x, y in ordered_batches(dataset, batch_size, where.device):
-        with where.autocast():
-            correct += int((model(x).argmax(1) == y).sum())
-        total += len(y)
-    return correct / max(total, 1)
+    flags = correct(model, dataset, batch_size)
+    return int(flags.sum()) / max(len(flags), 1)

@@ -141,6 +141,13 @@ class VirtualClock:
         compute = self.samples[cids] * c.train_macs[tiers] / speeds[cids]
         return compute + c.bytes[tiers] / p.down_bytes_per_s[cids] + c.bytes[tiers] / p.up_bytes_per_s[cids]
 
+    def median_fit(self) -> np.ndarray:
+        """``(clients, tiers)``: whether each tier fits each client's memory and finishes within the
+        deadline at its class's median speed (``macs_per_s``, no fluctuation)."""
+        cids, tiers = np.arange(len(self.samples))[:, None], np.arange(len(self.costs.names))[None, :]
+        return (self.population.memory_bytes[cids] >= self.costs.memory[tiers]) & (
+            self.seconds(cids, tiers, self.population.macs_per_s) <= self.devices.deadline_s)
+
     def available(self, round_index: int, clients: Sequence[ClientInfo]) -> list[ClientInfo]:
         """The clients online now; with ``tiers: resources``, each with one level, the largest
         tier that fits its memory and finishes within the deadline this round (clients that fit

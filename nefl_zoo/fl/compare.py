@@ -262,9 +262,10 @@ def client_sizes(config: RunConfig, input_size: tuple[int, int, int]) -> list[in
     every method, so read once per data section, client count and seed)."""
     from .data import load_data
 
-    key = (config.data.model_dump_json(), str(config.data_root()), input_size, config.clients.num_clients, config.seed)
+    devices = config.devices if config.data.partition == "devices" else None  # the device classes shape the data
+    key = (config.data.model_dump_json(), str(devices), str(config.data_root()), input_size, config.clients.num_clients, config.seed)
     if key not in _SIZES:
-        data = load_data(config.data, config.data_root(), input_size, config.clients.num_clients, config.seed)
+        data = load_data(config.data, config.data_root(), input_size, config.clients.num_clients, config.seed, devices)
         _SIZES[key] = [len(data.client_dataset(c)) for c in range(config.clients.num_clients)]
     return _SIZES[key]
 
@@ -385,13 +386,12 @@ def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResu
     seeds = [config.seed + s for s in range(len(next(iter(runs.values()))))]
     macs = {e.key: client_round_macs(config, e, seeds, out) for e in entries}
     markdown = results_table(config, entries, runs, macs)
-    if config.devices is not None:  # the time to target accuracy on the simulated clock
-        from .time_to_accuracy import time_report
+    if config.devices is not None:  # time to accuracy on the simulated clock; what each device class gets
+        from .device_report import devices_report
 
-        dirs, treatment = {e.key: [out / e.key / f"seed{s}" for s in seeds] for e in entries}, treatments(runs)[0]
-        points = {e.key: [worst_points(d, r, treatment) for d, r in zip(dirs[e.key], runs[e.key])] for e in entries}
-        markdown += time_report({e.key: e.label for e in entries}, points, dirs, treatment, target, out, plot,
-                                f"{config.submodel_spec().model} on {config.data.dataset}: accuracy against simulated time")
+        treatment = treatments(runs)[0]
+        points = {e.key: [worst_points(out / e.key / f"seed{s}", r, treatment) for s, r in zip(seeds, runs[e.key])] for e in entries}
+        markdown += devices_report(config, {e.key: e.label for e in entries}, seeds, points, treatment, out, plot, target)
     results_md, figure = out / "results.md", out / "comparison.png"
     results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n" + (f"![accuracy vs MACs and vs round]({figure.name})\n" if plot else ""))
     (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec, shipped_specs_dir
-from ..userfiles import format_validation_error, parse_yaml, read_yaml
+from ..userfiles import field_error, format_validation_error, parse_yaml, read_yaml
 from .aggregation import AggregationConfig
 from .population import DevicesConfig, read_trace
 from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
@@ -89,6 +89,28 @@ class RunConfig(Strict):
     def _check(self) -> "RunConfig":
         if self.clients.groups is not None and len(self.clients.groups) > self.clients.num_clients:
             raise ValueError("clients.groups: more groups than clients")
+        classes = self.devices.classes if self.devices is not None else []
+        if self.data.partition == "devices":
+            if self.devices is None:
+                raise field_error("data.partition", "devices needs a devices: section whose classes say what their clients hold "
+                                  "(devices.classes[].data)")
+            missing = next((i for i, c in enumerate(classes) if c.data is None), None)
+            if missing is not None:
+                raise field_error(f"devices.classes[{missing}].data", "required with data.partition: devices, "
+                                  "e.g. {samples: 50} (the training set's label mix)")
+        else:
+            given = next((i for i, c in enumerate(classes) if c.data is not None), None)
+            if given is not None:
+                raise field_error(f"devices.classes[{given}].data", f"used only with data.partition: devices "
+                                  f"(it is {self.data.partition}); set data.partition: devices or remove it")
+        if self.eval.device_classes:
+            if self.devices is None:
+                raise field_error("eval.device_classes", "needs a devices: section (the device classes to score)")
+            if self.data.local_split is None:
+                raise field_error("eval.device_classes", "needs each client's held-out data: set data.local_split, e.g. [0.9, 0, 0.1]")
+            if self.eval.per_client:
+                raise field_error("eval.device_classes", "scores the server's models on the clients' data; "
+                                  "remove eval.per_client or eval.device_classes")
         return self
 
     def submodel_spec(self) -> SubmodelSpec:

@@ -7,13 +7,15 @@ read from ``root`` in their standard formats with torchvision's loaders, CINIC-1
 ``imagefolder`` from ``root/train`` and ``root/test`` class folders. Training augmentation and
 normalisation follow the NeFL appendix: random crop (padding 4; SVHN 2) and horizontal flip
 (SVHN: colour jitter instead, digits and the MNIST family: crop only). Partitions (IID,
-Dirichlet label skew, label shards) are seeded.
+Dirichlet label skew, label shards, and data shaped by each client's device class,
+:mod:`.device_data`) are seeded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +23,9 @@ from torch.utils.data import Dataset, Subset
 
 from ..datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
 from .settings import DataConfig
+
+if TYPE_CHECKING:
+    from .population import DevicesConfig
 
 EXPECTED_FILES = {
     "cifar10": "cifar-10-batches-py/data_batch_1..5 and test_batch",
@@ -245,8 +250,10 @@ def public_split(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
     return held, np.setdiff1d(np.arange(len(targets)), held)
 
 
-def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int) -> FederatedData:
-    """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it."""
+def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int,
+              devices: "DevicesConfig | None" = None) -> FederatedData:
+    """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it
+    (``partition: devices`` by the device classes of ``devices``, :mod:`.device_data`)."""
     channels = input_size[0]
     if cfg.dataset == "digits":
         train, train_eval, test, targets, num_classes = _digits(input_size, cfg.test_fraction, cfg.augment)
@@ -271,12 +278,22 @@ def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num
         targets = _targets(base_train)
     if cfg.max_test_samples is not None and cfg.max_test_samples < len(test):
         test = Subset(test, list(range(cfg.max_test_samples)))
+    def split(labels: np.ndarray) -> list[np.ndarray]:
+        if cfg.partition != "devices":
+            return partition(labels, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
+        if devices is None:
+            raise ValueError("data.partition: devices needs the devices section (its classes' data)")
+        from .device_data import device_partition
+        from .population import device_kinds
+
+        return device_partition(labels, num_classes, device_kinds(devices.classes, num_clients, seed), devices.classes, seed)
+
     public = None
     if cfg.public_fraction:  # held out first: the clients share the rest
         public, pool = public_split(targets, cfg.public_fraction, seed)
-        parts = [pool[p] for p in partition(targets[pool], num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)]
+        parts = [pool[p] for p in split(targets[pool])]
     else:
-        parts = partition(targets, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
+        parts = split(targets)
     holdout = None
     if cfg.local_split is not None:
         parts, holdout = local_split(parts, cfg.local_split, seed)

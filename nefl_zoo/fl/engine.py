@@ -23,6 +23,8 @@ from .client import learning_rate
 from .clock import TierCosts, VirtualClock
 from .config import ConfigError, RunConfig, parse_config
 from .data import FederatedData, load_data
+from .device_classes import DeviceClasses
+from .device_data import PartitionError
 from .device import Placement, placed
 from .store import Checkpoint, RunExistsError, RunStore, saved_config
 from .strategy import Aggregate, ClientInfo, Instruction, Reply, Strategy
@@ -108,7 +110,10 @@ class Engine:
         groups = client_groups(config, levels)
         m = config.clients.num_clients
         self.clients = [ClientInfo(c, tuple(groups[c * len(groups) // m])) for c in range(m)]
-        self.data: FederatedData = load_data(config.data, config.data_root(), info.input_size, m, config.seed)
+        try:
+            self.data: FederatedData = load_data(config.data, config.data_root(), info.input_size, m, config.seed, config.devices)
+        except PartitionError as exc:
+            raise ConfigError(config._source, exc.field, exc.message) from None
         if info.num_classes != self.data.num_classes:
             raise ValueError(
                 f"{config.data.dataset} has {self.data.num_classes} classes but the model outputs "
@@ -119,9 +124,17 @@ class Engine:
         if config.devices is not None:
             samples = [config.train.local_epochs * len(p) for p in self.data.partitions]
             self.clock = VirtualClock(config.devices, TierCosts.of(self.strategy, config.train.batch_size), samples, config.seed)
+        #: what each device class gets (``eval.device_classes``, :mod:`.device_classes`)
+        self.device_classes: DeviceClasses | None = None
+        if config.eval.device_classes:
+            try:
+                self.device_classes = DeviceClasses(self.strategy, self.clock, self.clients, self.data)
+            except ValueError as exc:
+                raise ConfigError(config._source, "eval.device_classes", str(exc).removeprefix("eval.device_classes: ")) from None
         timed = ["sim_time_s", "online", "dropped", "lost"] if self.clock else []
+        classes = ["worst_device_class", "device_class_spread"] if self.device_classes else []
         columns = ["round", "lr", "clients", "rejected", "train_loss", "bytes_down", "bytes_up", "cum_bytes", "time_s", *timed,
-                   "worst", "avg", "min", *(f"acc_{t}" for t in info.eval_names)]
+                   "worst", "avg", "min", *classes, *(f"acc_{t}" for t in info.eval_names)]
         self.store = RunStore(out_dir, columns)
         self.state: dict[str, torch.Tensor] = {}
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
@@ -182,6 +195,7 @@ class Engine:
             },
             "time_s": round(time.perf_counter() - start, 4),
             **(timing.record(self.strategy.info.levels) if timing else {}),
+            **({"device_classes": self.device_classes.participation(instructions, timing)} if self.device_classes else {}),
             **result.metrics,  # the aggregation's (epsilon, clipped)
         }
 
@@ -198,6 +212,19 @@ class Engine:
             if instructions:
                 acc.update(self.strategy.aggregate_evaluate(self.round, self.exchange("evaluate", instructions)))
         return acc
+
+    def evaluate_device_classes(self) -> dict:
+        """Each device class's accuracy on its clients' own test splits (``eval.device_classes``).
+
+        Returns:
+            ``device_accuracy``, ``worst_device_class`` and ``device_class_spread`` of the global
+            state (:meth:`~.device_classes.DeviceClasses.evaluate`); empty without
+            ``eval.device_classes``.
+        """
+        if self.device_classes is None:
+            return {}
+        with placed(self.placement):
+            return self.device_classes.evaluate(self.state, self.data)
 
     # -- the transport: what another engine (Flower) replaces ---------------------------------
     def available_clients(self) -> list[ClientInfo]:
@@ -296,7 +323,8 @@ class Engine:
                 acc = self.evaluate()
                 submodels = {k: v for k, v in acc.items() if "/" not in k}
                 extra = {k: v for k, v in acc.items() if "/" in k}
-                self.last_eval = {"acc": submodels, **self.strategy.info.summary(submodels), **({"extra": extra} if extra else {})}
+                self.last_eval = {"acc": submodels, **self.strategy.info.summary(submodels), **({"extra": extra} if extra else {}),
+                                  **self.evaluate_device_classes()}
                 record.update(self.last_eval)
             self.store.log(record)
             if self.round % cfg.checkpoint_every == 0 or self.round == cfg.rounds:

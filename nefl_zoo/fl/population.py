@@ -17,6 +17,14 @@ names::
 One row per online interval, in seconds of simulated time (``start_s < end_s``); a client is
 online in ``[start_s, end_s)`` of each of its rows and offline after its last one.
 
+A class may say what data its clients hold (``data``, used with ``data.partition: devices``,
+:mod:`.device_data`): ``samples`` images per client (quantity skew between classes), the class's
+label mix ``labels`` (a weight per label of the dataset; none: the training set's own mix) and
+``alpha``, each client's label proportions drawn from Dirichlet(alpha x the class mix) (none: every
+client holds the class mix)::
+
+    data: {samples: 50, labels: [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]}   # never a 9
+
 ``deadline_s`` is the round's target time. ``tiers: resources`` gives each client the largest
 tier of the spec that fits its memory and finishes within the deadline on this round's speed and
 bandwidth; ``tiers: environment`` keeps the ``clients`` section's groups (the clock only times
@@ -59,6 +67,23 @@ class Periodic(Strict):
         return self
 
 
+class ClassData(Strict):
+    """What the clients of one device class hold (``data.partition: devices``, :mod:`.device_data`)."""
+
+    samples: int = Field(ge=1, description="images per client of this class (before data.local_split holds some out)")
+    labels: list[float] | None = Field(
+        None, min_length=2, description="the class's label mix: one weight per label of the dataset (normalised); none: the training set's own mix")
+    alpha: float | None = Field(
+        None, gt=0, description="each client's label proportions drawn from Dirichlet(alpha x the class mix); none: every client the class mix")
+
+    @field_validator("labels")
+    @classmethod
+    def _weights(cls, labels: list[float] | None) -> list[float] | None:
+        if labels is not None and (min(labels) < 0 or sum(labels) <= 0):
+            raise ValueError("expected weights >= 0 with a positive sum, one per label")
+        return labels
+
+
 class DeviceClass(Strict):
     """One kind of device and its share of the clients."""
 
@@ -70,6 +95,7 @@ class DeviceClass(Strict):
     uplink_mbps: float = Field(gt=0, description="upload bandwidth (megabits per second)")
     downlink_mbps: float = Field(gt=0, description="download bandwidth (megabits per second)")
     availability: Annotated[Union[Always, Periodic], Field(discriminator="kind")] = Field(default_factory=Always)
+    data: ClassData | None = Field(None, description="what this class's clients hold (data.partition: devices)")
 
 
 class DevicesConfig(Strict):
@@ -120,6 +146,18 @@ def read_trace(path: str | Path, num_clients: int) -> dict[int, list[tuple[float
     return {cid: sorted(v) for cid, v in intervals.items()}
 
 
+def device_kinds(classes: list[DeviceClass], num_clients: int, seed: int) -> np.ndarray:
+    """The class index of every client: each class takes ``share`` of the clients (largest
+    remainders), dealt by a shuffle seeded with the run seed."""
+    counts = np.floor([c.share * num_clients for c in classes]).astype(np.int64)
+    remainders = np.array([c.share * num_clients for c in classes]) - counts
+    counts[np.argsort(-remainders, kind="stable")[: num_clients - int(counts.sum())]] += 1  # largest remainders
+    order = np.random.default_rng([seed, 1]).permutation(num_clients)
+    kind = np.empty(num_clients, dtype=np.int64)
+    kind[order] = np.repeat(np.arange(len(classes)), counts)
+    return kind
+
+
 class Population:
     """Every client's device, as arrays over client ids (see the module docstring).
 
@@ -132,13 +170,8 @@ class Population:
     def __init__(self, devices: DevicesConfig, num_clients: int, seed: int):
         self.devices, self.seed = devices, seed
         classes = devices.classes
-        counts = np.floor([c.share * num_clients for c in classes]).astype(np.int64)
-        remainders = np.array([c.share * num_clients for c in classes]) - counts
-        counts[np.argsort(-remainders, kind="stable")[: num_clients - int(counts.sum())]] += 1  # largest remainders
-        order = np.random.default_rng([seed, 1]).permutation(num_clients)
         #: the class index of every client
-        self.kind = np.empty(num_clients, dtype=np.int64)
-        self.kind[order] = np.repeat(np.arange(len(classes)), counts)
+        self.kind = device_kinds(classes, num_clients, seed)
 
         def per_client(values) -> np.ndarray:
             return np.asarray(values, dtype=np.float64)[self.kind]

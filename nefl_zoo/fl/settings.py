@@ -37,7 +37,9 @@ class DataConfig(Strict):
     root: str = Field("data", description="folder holding the dataset files (not used by digits)")
     download: bool = Field(False, description="let torchvision download the dataset (needs a network)")
     augment: bool = Field(True, description="NeFL-appendix augmentation (random crop, flip/jitter)")
-    partition: Literal["iid", "dirichlet", "shards"] = "iid"
+    partition: Literal["iid", "dirichlet", "shards", "devices"] = Field(
+        "iid", description="iid, dirichlet (label skew), shards (label shards) or devices (each device class's data: "
+        "devices.classes[].data)")
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
     shards_per_client: int = Field(2, ge=1, description="label shards per client (partition: shards)")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="digits only: held-out test share")
@@ -144,4 +146,8 @@ class EvalConfig(Strict):
     per_client: bool = Field(
         False, description="score each client's model on the client's own test split (data.local_split) "
         "and report the mean per submodel, instead of the global test set"
+    )
+    device_classes: bool = Field(
+        False, description="also score each device class (devices:) on its clients' own test splits (data.local_split), "
+        "on the tier each client runs and on the full model, and count its updates per round"
     )

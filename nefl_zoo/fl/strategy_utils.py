@@ -317,11 +317,16 @@ class Nested(Strategy):
             return {}
 
         def score(treatment: str) -> dict[str, float]:
-            bn = "recompute" if self.static_bn else treatment
-            return {name: evaluate(with_bn(self.eval_model(global_state, name, data), bn, self.run, data), data.test, self.run.eval.batch_size)
+            return {name: evaluate(self.evaluated_model(global_state, name, data, treatment), data.test, self.run.eval.batch_size)
                     for name in (*self.compiled.tiers, *self.extra_eval)}
 
         return evaluate_treatments(self.run, score, self.compiled.tiers)
+
+    def evaluated_model(self, global_state, name: str, data, treatment: str) -> nn.Module:
+        """The model :meth:`evaluate` scores as ``name`` under the BN ``treatment`` (with static BN
+        always recomputed), in eval mode."""
+        bn = "recompute" if self.static_bn else treatment
+        return with_bn(self.eval_model(global_state, name, data), bn, self.run, data)
 
     def configure_evaluate(self, server_round: int, global_state, clients: list[ClientInfo]) -> dict[int, Instruction]:
         """With ``eval.per_client``: every client receives the submodel of its largest allowed

@@ -1,8 +1,9 @@
 """Time to accuracy: a comparison's accuracy against simulated time (runs with ``devices:``,
 :mod:`.clock`), the time each entry needs to reach a target accuracy, its table and its plot.
 
-:mod:`.compare` gathers each run's evaluated records and their worst-case accuracy; the curves
-here are per entry, per seed: the simulated times of the evaluations and the accuracy (%) at each.
+:mod:`.device_report` gathers each run's evaluated records and their accuracy (the worst-case
+submodel's, the full model's, the worst device class's); the curves here are per entry, per seed:
+the simulated times of the evaluations and the accuracy (%) at each.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def time_table(labels: Mapping[str, str], curves: Mapping[str, Sequence[Curve]],
     return "\n".join(lines) + "\n", data
 
 
-def plot_time(labels: Mapping[str, str], curves: Mapping[str, Sequence[Curve]], target: float, path: Path, title: str) -> None:
-    """Accuracy against simulated time (hours), every seed of an entry in its colour, the target dashed."""
+def plot_time(labels: Mapping[str, str], curves: Mapping[str, Sequence[Curve]], target: float, path: Path, title: str,
+              measure: str = "worst-case") -> None:
+    """Accuracy (of ``measure``) against simulated time (hours), every seed of an entry in its colour, the target dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +67,7 @@ def plot_time(labels: Mapping[str, str], curves: Mapping[str, Sequence[Curve]], 
             line, = ax.plot(np.asarray(times) / 3600, acc, marker=".", color=color, label=labels[key] if i == 0 else None)
             color = line.get_color()
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.2f}%")
-    ax.set(xlabel="simulated time (hours)", ylabel="worst-case top-1 accuracy (%)", title=title)
+    ax.set(xlabel="simulated time (hours)", ylabel=f"{measure} top-1 accuracy (%)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -73,20 +75,42 @@ def plot_time(labels: Mapping[str, str], curves: Mapping[str, Sequence[Curve]], 
     plt.close(fig)
 
 
-def time_report(labels: Mapping[str, str], points: Mapping[str, Sequence[Sequence[tuple[dict, float]]]],
-                dirs: Mapping[str, Sequence[Path]], treatment: str, target: float | None, out: Path, plot: bool, title: str) -> str:
+Points = Mapping[str, Sequence[Sequence[tuple[dict, float]]]]  # per entry, per seed: (evaluated record, accuracy %)
+
+
+def _curves(points: Points) -> dict[str, list[Curve]]:
+    return {k: [(np.array([r["sim_time_s"] for r, _ in p]), np.array([a for _, a in p])) for p in runs] for k, runs in points.items()}
+
+
+def time_report(labels: Mapping[str, str], points: Points, dirs: Mapping[str, Sequence[Path]], treatment: str, target: float | None,
+                out: Path, plot: bool, title: str, more: Mapping[str, Points] | None = None) -> str:
     """The time to ``target`` accuracy (%; none: :func:`default_target`) of every entry, from each run's
-    evaluated records and accuracy (``points``) and its directory (``dirs``: dropped and lost updates
-    summed over ``metrics.jsonl``): markdown, ``time_to_accuracy.json`` and (``plot``) ``.png`` in ``out``."""
-    curves = {k: [(np.array([r["sim_time_s"] for r, _ in p]), np.array([a for _, a in p])) for p in runs] for k, runs in points.items()}
+    evaluated records and worst-case accuracy (``points``) and its directory (``dirs``: dropped and lost updates
+    summed over ``metrics.jsonl``): markdown, ``time_to_accuracy.json`` and (``plot``) ``.png`` in ``out``.
+    ``more``: further measures by name (``full model``, ``worst device class``), each against its own
+    :func:`default_target`, in ``time_to_accuracy.json`` under ``measures`` and plotted as
+    ``time_to_accuracy_NAME.png`` (spaces as ``_``)."""
+    curves = _curves(points)
     totals = {}
     for key, paths in dirs.items():
         records = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in paths]
         totals[key] = {k: float(np.mean([sum(r[k] for r in rs) for rs in records])) for k in ("dropped", "lost")}
     target = default_target(curves) if target is None else target
     markdown, data = time_table(labels, curves, target, totals)
-    (out / "time_to_accuracy.json").write_text(json.dumps({"treatment": treatment, "entries": data}, indent=2))
+    report = {"treatment": treatment, "entries": data}
     if plot:
         plot_time(labels, curves, target, out / "time_to_accuracy.png", title)
-    return (f"\nTime to {target:.2f}% worst-case accuracy (BN {treatment}) on the simulated clock, seconds; dropped and lost "
+    text = (f"\nTime to {target:.2f}% worst-case accuracy (BN {treatment}) on the simulated clock, seconds; dropped and lost "
             f"updates summed over rounds (seed means):\n\n{markdown}" + ("\n![accuracy vs simulated time](time_to_accuracy.png)\n" if plot else ""))
+    for measure, measured in (more or {}).items():
+        curves = _curves(measured)
+        goal = default_target(curves)
+        markdown, data = time_table(labels, curves, goal, {})
+        report.setdefault("measures", {})[measure] = {"target": goal, "entries": data}
+        figure = f"time_to_accuracy_{measure.replace(' ', '_')}.png"
+        if plot:
+            plot_time(labels, curves, goal, out / figure, title, measure)
+        text += (f"\nTime to {goal:.2f}% accuracy of the {measure} (the highest every entry reaches) on the simulated clock, "
+                 f"seconds:\n\n{markdown}" + (f"\n![{measure} accuracy vs simulated time]({figure})\n" if plot else ""))
+    (out / "time_to_accuracy.json").write_text(json.dumps(report, indent=2))
+    return text
