@@ -321,7 +321,7 @@ def test_unknown_tier_is_refused_before_exporting(tmp_path):
     ({"batch": 0}, "batch must be >= 1 and channel_align >= 1 or 'auto', got 0 and 1"),
     ({"channel_align": "fast"}, "batch must be >= 1 and channel_align >= 1 or 'auto', got 1 and 'fast'"),
     ({"opset": 12}, "opset: the torch.export-based exporter writes opset 18 or later, got 12"),
-    ({"format": "zip"}, "format: expected one of nested, files, got 'zip'"),
+    ({"format": "zip"}, "format: expected one of files, nested, got 'zip'"),
     ({"latency_runs": 0}, "latency_runs: must be an integer >= 1, got 0"),
     ({"threads": 0}, "threads: must be an integer >= 1, got 0"),
     ({"calibration_images": True}, "calibration_images: must be an integer >= 1, got True"),
@@ -353,7 +353,7 @@ def test_the_old_keyword_arguments_still_work_and_warn(resnet_run, tmp_path):
     assert old.tiers[0].sha256 == manifest.tier("small").sha256  # the file the ExportOptions export wrote
     with pytest.warns(DeprecationWarning, match="tiers=..."), pytest.raises(KeyError, match="unknown tier 'tiny'"):
         export_tiers(source, tmp_path / "over", ExportOptions(tiers=["small"]), tiers=["tiny"])
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^format: expected one of nested, files, got 'zip'$"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^format: expected one of files, nested, got 'zip'$"):
         export_tiers(source, tmp_path / "bad", format="zip")
     with pytest.raises(TypeError, match=r"^export_tiers\(\) got an unexpected keyword argument 'tier'$"):
         export_tiers(source, tmp_path / "typo", tier=["small"])

@@ -60,7 +60,7 @@ def test_a_second_export_into_a_folder_being_published_is_refused(tmp_path, monk
 
     monkeypatch.setattr(staging, "atomic_write", slow_manifest)
     with ThreadPoolExecutor(1, thread_name_prefix="export-a") as pool:
-        first = pool.submit(export_tiers, source(0), out, latency_runs=1, threads=1)
+        first = pool.submit(export_tiers, source(0), out, ExportOptions(latency_runs=1, threads=1))
         while not paused.wait(0.1):
             assert not first.done(), first.result()  # export A failed before its manifest: show why
         busy = re.escape(f"{out}: " + BUSY.format(pid=os.getpid()))
