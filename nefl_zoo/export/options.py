@@ -46,7 +46,7 @@ class ExportOptions:
             the check against it.
         calibration: images (normalised float32, N x C x H x W) that INT8 is calibrated on,
             named by ``calibration_source``; default: ``calibration_images`` training images
-            of a run source.
+            of a run source. Data, not a setting: left out of ``==``, ``hash`` and ``repr``.
         calibration_source: what ``calibration`` is, for the manifest.
         calibration_images: how many training images of a run INT8 is calibrated on.
         format: ``files`` (one self-contained file per tier and precision) or ``nested``
