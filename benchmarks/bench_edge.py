@@ -28,7 +28,7 @@ import onnxruntime as ort
 import torch
 
 from bench_latency import _load, _monotone
-from nefl_zoo.export import export_tiers, load_source
+from nefl_zoo.export import ExportOptions, export_tiers, load_source
 from nefl_zoo.runtime import TierRuntime
 
 import publish  # results JSON and figure (benchmarks/publish.py)
@@ -41,7 +41,7 @@ TARGET = 1.2  # latency ratio / MACs ratio, gamma >= 0.4
 def bench_spec(name: str, batches: list[int], runs: int, workdir: Path) -> list[dict]:
     """One row per tier: gamma, MACs, MACs and parameter ratios, and per batch the median ms
     and latency ratio / MACs ratio."""
-    manifest = export_tiers(load_source(name), workdir / name.replace("/", "_"), latency_runs=1, threads=1)
+    manifest = export_tiers(load_source(name), workdir / name.replace("/", "_"), ExportOptions(latency_runs=1, threads=1))
     runtime = TierRuntime(workdir / name.replace("/", "_"), threads=1)
     entries = {t.name: t for t in manifest.tiers}
     largest = max(entries.values(), key=lambda t: t.macs)

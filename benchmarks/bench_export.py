@@ -30,7 +30,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from nefl_zoo.export import export_tiers, load_source
+from nefl_zoo.export import ExportOptions, export_tiers, load_source
 from nefl_zoo.runtime import TierRuntime
 from nefl_zoo.timing import median_ms
 
@@ -47,7 +47,7 @@ def bench_spec(spec: str, batch: int, runs: int, threads: int, align: int, workd
     runtimes = {}
     for channel_align in (1, align):
         out = workdir / f"{spec.replace('/', '_')}_align{channel_align}"
-        manifest = export_tiers(source, out, batch=batch, latency_runs=1, channel_align=channel_align)
+        manifest = export_tiers(source, out, ExportOptions(batch=batch, latency_runs=1, channel_align=channel_align))
         runtimes[channel_align] = TierRuntime(out, threads=threads)
     x = torch.randn(batch, *source.compiled.input_size)
     rows = []

@@ -1,4 +1,4 @@
-"""Nested deployment: what the nested model (``export_tiers(..., format="nested")``: one
+"""Nested deployment: what the nested model (``ExportOptions(format="nested")``: one
 standard ONNX file per precision, ``nested.PREC.onnx``, holding every tier behind an int64
 ``tier`` input) costs and saves against one self-contained file per tier, and what the adaptive
 runtime does under changing CPU load.
@@ -151,7 +151,7 @@ class Export:
 
 def export_both(source, name: str, workdir: Path, precisions, calibration) -> dict[str, Export]:
     """``source`` exported in both formats into ``workdir/name/{files,nested}``."""
-    from nefl_zoo.export import export_tiers
+    from nefl_zoo.export import ExportOptions, export_tiers
 
     from nefl_zoo.export.verify import ExportError
 
@@ -164,8 +164,8 @@ def export_both(source, name: str, workdir: Path, precisions, calibration) -> di
         wanted = list(precisions)
         while True:
             try:
-                manifest = export_tiers(source, folder, precisions=wanted, format=fmt, latency_runs=1, threads=1,
-                                        calibration=calibration, warn=warnings.append)
+                options = ExportOptions(precisions=wanted, format=fmt, latency_runs=1, threads=1, calibration=calibration)
+                manifest = export_tiers(source, folder, options, warn=warnings.append)
                 break
             except ExportError as exc:  # e.g. a nested FP16 tier outside the FP32 tolerance: export the rest
                 failed = [p for p in wanted if p != "fp32" and f":{p}" in str(exc)]

@@ -1,7 +1,7 @@
 """Quantized tiers (issue 21): per tier and precision, accuracy, bytes and latency, and which
 (tier, precision) a device gets at three budgets.
 
-Every source is exported with ``export_tiers(..., precisions=("fp32", "int8", "fp16"))``:
+Every source is exported with ``ExportOptions(precisions=("fp32", "int8", "fp16"))``:
 INT8 calibrated on 256 of the run's training images, every file's accuracy measured on the
 run's test split, INT8/FP16 checked against FP32 there. Then every file of the export is timed
 with onnxruntime at batch 1 and 32, one thread, all files of a source in alternation
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from nefl_zoo.export import CALIBRATION_IMAGES, export_tiers, load_source
+from nefl_zoo.export import CALIBRATION_IMAGES, ExportOptions, export_tiers, load_source
 from nefl_zoo.manifest import Manifest
 from nefl_zoo.runtime import NoTierFits, TierRuntime
 
@@ -67,8 +67,8 @@ def bench_source(name: str, run_dir: Path, runs: int, workdir: Path) -> dict:
     """Export ``run_dir`` at every precision and time every file at each batch."""
     out = workdir / name
     warnings: list[str] = []
-    manifest = export_tiers(load_source(run_dir), out, precisions=PRECISIONS, threads=1, latency_runs=runs,
-                            channel_align="auto", warn=warnings.append)
+    options = ExportOptions(precisions=PRECISIONS, threads=1, latency_runs=runs, channel_align="auto")
+    manifest = export_tiers(load_source(run_dir), out, options, warn=warnings.append)
     runtime = TierRuntime(out, threads=1)
     labels = [t.label for t in manifest.tiers]
     latency = {batch: runtime.benchmark_many(labels, batch, runs) for batch in BATCHES}

@@ -119,7 +119,7 @@ def export(
 ) -> None:
     """Export every tier, verified, as one nested model per precision (default) or one .onnx file per tier and
     precision, plus manifest.json."""
-    from nefl_zoo.export import ExportError, export_tiers, load_source
+    from nefl_zoo.export import ExportError, ExportOptions, export_tiers, load_source
     from nefl_zoo.spec import SpecError
 
     require_positive(batch=batch, latency_runs=latency_runs, threads=threads, calibration_images=calibration_images)
@@ -127,7 +127,6 @@ def export(
         raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
     if pad_channels_from is not None and not pad_channels_from.exists():
         raise fail(f"--pad-channels-from: {pad_channels_from} does not exist (an export folder or its manifest.json)")
-    names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
     warnings: list[str] = []
 
     def warn(message: str) -> None:
@@ -137,22 +136,27 @@ def export(
     with user_errors(SpecError), stdout_to_stderr(as_json):
         src = load_source(source, pretrained=pretrained, seed=seed)
         name = dataset.value if dataset else src.dataset
-        images = _calibration_images(calibration, src.compiled.input_size, name) if calibration else None
+        options = ExportOptions(
+            tiers=[t.strip() for t in tiers.split(",") if t.strip()] if tiers else None, opset=opset,
+            batch_dynamic=batch_dynamic, batch=batch, dataset=name, latency_runs=latency_runs, threads=threads,
+            channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value), precisions=precision,
+            calibration=_calibration_images(calibration, src.compiled.input_size, name) if calibration else None,
+            calibration_source=str(calibration), calibration_images=calibration_images, format=export_format.value,
+            alignments_from=pad_channels_from,
+        )
         try:
-            manifest = export_tiers(
-                src, out, tiers=names, opset=opset, batch_dynamic=batch_dynamic, batch=batch, dataset=name,
-                latency_runs=latency_runs, threads=threads,
-                channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value),
-                precisions=precision, calibration=images, calibration_source=str(calibration),
-                calibration_images=calibration_images, warn=warn, format=export_format.value,
-                alignments_from=pad_channels_from,
-            )
+            manifest = export_tiers(src, out, options, warn=warn)
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
     if as_json:
         print_json({"manifest_path": str(out / "manifest.json"), "warnings": warnings, "manifest": manifest.model_dump(mode="json")})
         return
+    _print_export(manifest, out, batch)
+
+
+def _print_export(manifest, out: Path, batch: int) -> None:
+    """What ``export`` wrote: a table of every file, each nested model's size, and where."""
     from rich.table import Table
 
     table = Table(

@@ -238,8 +238,8 @@ def test_cli_build_latency_ms_measures_onnxruntime():
 # ---- export --pad-channels auto ----
 import onnx  # noqa: E402
 
-import nefl_zoo.export.tiers as export_tiers_module  # noqa: E402
-from nefl_zoo.export import ExportSource, export_tiers  # noqa: E402
+import nefl_zoo.export.fp32 as export_fp32_module  # noqa: E402
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers  # noqa: E402
 from nefl_zoo.export.onnx_file import cpu_channel_block  # noqa: E402
 
 # 9/18/36 channels and 16/32/64; one block per stage (every width still in the graph) keeps the exports quick
@@ -261,9 +261,9 @@ def test_pad_channels_auto_keeps_the_faster_file_and_records_both(tmp_path, monk
         timed.append(sorted(fns))
         return {a: 1.0 if a > 1 else 2.0 for a in fns}
 
-    monkeypatch.setattr(export_tiers_module, "interleaved_median_ms", fake_interleaved)
+    monkeypatch.setattr(export_fp32_module, "interleaved_median_ms", fake_interleaved)
     compiled = compile_spec(parse_spec(ODD))
-    manifest = export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, channel_align="auto")
+    manifest = export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, ExportOptions(channel_align="auto"))
     assert timed == [[1, block], [1]]  # the full tier's widths are aligned already: nothing to pad
     odd, full = manifest.tier("odd"), manifest.tier("full")
     assert odd.channel_align == block and odd.channel_align_ms == {"1": 2.0, str(block): 1.0}

@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.manifest import load_manifest
 from nefl_zoo.runtime import TierRuntime
 from nefl_zoo.runtime.__main__ import main as bench_main
@@ -43,7 +43,7 @@ def package(tmp_path_factory):
     compiled = compile_spec(parse_spec(SPEC))
     out = tmp_path_factory.mktemp("export")
     source = ExportSource(compiled, compiled.init_global_state(), "test", accuracy={"small": 0.7, "big": 0.8})
-    export_tiers(source, out, tiers=["small", "big"], latency_runs=1)
+    export_tiers(source, out, ExportOptions(tiers=["small", "big"], latency_runs=1))
     return out
 
 

@@ -1,6 +1,7 @@
 """ONNX export of every tier: parity with PyTorch, the manifest, run directories, atomicity."""
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 from nefl_zoo.export import verify
 from nefl_zoo.export import (
     ExportError,
+    ExportOptions,
     ExportSource,
     export_tiers,
     fold_batchnorm,
@@ -83,7 +85,7 @@ def resnet_run(tmp_path_factory):
         config={"data": {"dataset": "cifar10"}},
     )
     out = tmp_path_factory.mktemp("export")
-    manifest = export_tiers(load_source(run), out, latency_runs=2)
+    manifest = export_tiers(load_source(run), out, ExportOptions(latency_runs=2))
     return compiled, state, out, manifest
 
 
@@ -170,7 +172,7 @@ def test_padded_channels_export_keeps_outputs_and_aligns_widths(tmp_path):
     spec = {"model": "resnet20", "tiers": [{"name": "odd", "gamma_w": 0.3, "steps": [[1, 0, 1], [0, 1, 1], [1, 1, 1]]}]}
     compiled = compile_spec(parse_spec(spec))
     state = trained_like_state(compiled)
-    manifest = export_tiers(ExportSource(compiled, state, "t"), tmp_path, channel_align=8, latency_runs=1)
+    manifest = export_tiers(ExportSource(compiled, state, "t"), tmp_path, ExportOptions(channel_align=8, latency_runs=1))
     tier = manifest.tier("odd")
     assert tier.channel_align == 8 and tier.max_abs_diff <= 1e-4 and tier.batchnorm_folded
     model = onnx.load(str(tmp_path / "odd.onnx"))
@@ -277,7 +279,7 @@ def test_vit_export_from_a_spec_file(tmp_path):
     spec_path = tmp_path / "vit.yaml"
     spec_path.write_text(yaml.safe_dump(VIT_SPEC))
     source = load_source(spec_path, seed=3)
-    manifest = export_tiers(source, tmp_path / "out", batch_dynamic=False, batch=2, latency_runs=1, threads=1)
+    manifest = export_tiers(source, tmp_path / "out", ExportOptions(batch_dynamic=False, batch=2, latency_runs=1, threads=1))
     assert manifest.tiers[0].latency.threads == 1
     assert manifest.input.batch == 2 and manifest.input.normalization is None and manifest.class_names is None
     assert [t.blocks_per_stage for t in manifest.tiers] == [[1], [2]]
@@ -298,7 +300,7 @@ def test_failed_export_keeps_the_previous_manifest_and_leaves_no_staging(resnet_
     monkeypatch.setattr(verify, "ATOL", -1.0)  # no difference can pass
     source = ExportSource(compiled, trained_like_state(compiled), "test")
     with pytest.raises(ExportError, match=r"tier small: onnxruntime vs PyTorch max abs diff"):
-        export_tiers(source, tmp_path, tiers=["small"], latency_runs=1)
+        export_tiers(source, tmp_path, ExportOptions(tiers=["small"], latency_runs=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.onnx", "manifest.json", "small.onnx"]
     assert load_manifest(tmp_path) == manifest
     assert all(t.sha256 == file_sha256(tmp_path / t.file) for t in manifest.tiers)
@@ -307,8 +309,55 @@ def test_failed_export_keeps_the_previous_manifest_and_leaves_no_staging(resnet_
 def test_unknown_tier_is_refused_before_exporting(tmp_path):
     compiled = compile_spec(parse_spec(RESNET_SPEC))
     with pytest.raises(KeyError, match="unknown tier 'tiny'; tiers: small, full"):
-        export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, tiers=["tiny"])
+        export_tiers(ExportSource(compiled, compiled.init_global_state(), "t"), tmp_path, ExportOptions(tiers=["tiny"]))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"precisions": []}, "precisions: expected some of fp32, int8, fp16, got none"),
+    ({"precisions": ["fp32", "bf16"]}, "precisions: expected some of fp32, int8, fp16, got fp32, bf16"),
+    ({"precisions": "fp32"}, "precisions: expected a list of names, got the string 'fp32'"),
+    ({"tiers": "small"}, "tiers: expected a list of names, got the string 'small'"),
+    ({"batch": 0}, "batch must be >= 1 and channel_align >= 1 or 'auto', got 0 and 1"),
+    ({"channel_align": "fast"}, "batch must be >= 1 and channel_align >= 1 or 'auto', got 1 and 'fast'"),
+    ({"opset": 12}, "opset: the torch.export-based exporter writes opset 18 or later, got 12"),
+    ({"format": "zip"}, "format: expected one of files, nested, got 'zip'"),
+    ({"latency_runs": 0}, "latency_runs: must be an integer >= 1, got 0"),
+    ({"threads": 0}, "threads: must be an integer >= 1, got 0"),
+    ({"calibration_images": True}, "calibration_images: must be an integer >= 1, got True"),
+])
+def test_export_options_are_checked_when_made(settings, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ExportOptions(**settings)
+
+
+def test_export_options_keep_tiers_and_precisions_as_tuples_without_repeats():
+    images = np.zeros((2, 3, 32, 32), np.float32)
+    options = ExportOptions(tiers=["small", "full", "small"], precisions=["int8", "fp32", "int8"], calibration=images)
+    assert options.tiers == ("small", "full") and options.precisions == ("int8", "fp32")
+    assert ExportOptions(tiers=[]).tiers is None and ExportOptions(batch=np.int64(2)).batch == 2
+    assert options == ExportOptions(tiers=("small", "full"), precisions=("int8", "fp32"))  # images are data, not compared
+    assert hash(options) == hash(ExportOptions(tiers=("small", "full"), precisions=("int8", "fp32")))
+
+
+def test_the_old_keyword_arguments_still_work_and_warn(resnet_run, tmp_path):
+    """``export_tiers(source, out, tiers=..., ...)`` (the settings before ExportOptions): the
+    same files as ``ExportOptions``, with a DeprecationWarning naming the replacement; applied
+    over ``options`` when both are given; an unknown keyword is a TypeError."""
+    compiled, state, _, manifest = resnet_run
+    source = ExportSource(compiled, state, "t")
+    replacement = r"pass options=ExportOptions\(tiers=\.\.\., latency_runs=\.\.\.\)"
+    with pytest.warns(DeprecationWarning, match=r"^export_tiers\(\.\.\., tiers=\.\.\., latency_runs=\.\.\.\) is deprecated .*" + replacement):
+        old = export_tiers(source, tmp_path / "old", tiers=["small"], latency_runs=1)
+    assert [t.name for t in old.tiers] == ["small"] and old.tiers[0].latency.runs == 1
+    assert old.tiers[0].sha256 == manifest.tier("small").sha256  # the file the ExportOptions export wrote
+    with pytest.warns(DeprecationWarning, match="tiers=..."), pytest.raises(KeyError, match="unknown tier 'tiny'"):
+        export_tiers(source, tmp_path / "over", ExportOptions(tiers=["small"]), tiers=["tiny"])
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^format: expected one of files, nested, got 'zip'$"):
+        export_tiers(source, tmp_path / "bad", format="zip")
+    with pytest.raises(TypeError, match=r"^export_tiers\(\) got an unexpected keyword argument 'tier'$"):
+        export_tiers(source, tmp_path / "typo", tier=["small"])
+    assert not (tmp_path / "over").exists() and not (tmp_path / "bad").exists() and not (tmp_path / "typo").exists()
 
 
 def test_run_dir_with_a_wrong_shape_names_the_key(tmp_path):

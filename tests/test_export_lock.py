@@ -18,7 +18,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.export import staging
 from nefl_zoo.export.staging import EXPORT_LOCK, export_lock
 from nefl_zoo.files import DirLock, LockedError
@@ -60,12 +60,12 @@ def test_a_second_export_into_a_folder_being_published_is_refused(tmp_path, monk
 
     monkeypatch.setattr(staging, "atomic_write", slow_manifest)
     with ThreadPoolExecutor(1, thread_name_prefix="export-a") as pool:
-        first = pool.submit(export_tiers, source(0), out, latency_runs=1, threads=1)
+        first = pool.submit(export_tiers, source(0), out, ExportOptions(latency_runs=1, threads=1))
         while not paused.wait(0.1):
             assert not first.done(), first.result()  # export A failed before its manifest: show why
         busy = re.escape(f"{out}: " + BUSY.format(pid=os.getpid()))
         with pytest.raises(LockedError, match=f"^{busy}$"):
-            export_tiers(source(1), out, latency_runs=1, threads=1)
+            export_tiers(source(1), out, ExportOptions(latency_runs=1, threads=1))
         spec = tmp_path / "spec.yaml"
         spec.write_text(yaml.safe_dump(SPEC))
         result = CliRunner().invoke(app, ["export", str(spec), "--out", str(out), "--seed", "1", "--latency-runs", "1",

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.models import count_params, create_model, list_models, load_pretrained
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
@@ -218,7 +218,7 @@ def test_one_tier_exports_to_onnx_and_matches_pytorch(case, tmp_path):
     spec = parse_spec({"model": case.name, "model_args": case.args, "tiers": [{"name": "shallow", "gamma_w": 0.5, "steps": steps}]})
     compiled = compile_spec(spec)
     state = compiled.init_global_state(case.full)
-    manifest = export_tiers(ExportSource(compiled, state, "contract"), tmp_path, latency_runs=1, threads=1)
+    manifest = export_tiers(ExportSource(compiled, state, "contract"), tmp_path, ExportOptions(latency_runs=1, threads=1))
     session = ort.InferenceSession(str(tmp_path / manifest.tier("shallow").file), providers=["CPUExecutionProvider"])
     expected = compiled["shallow"].load(state).eval()(case.x)
     (got,) = session.run(None, {session.get_inputs()[0].name: case.x.numpy()})

@@ -21,7 +21,7 @@ import torch
 from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
-from nefl_zoo.export import ExportError, ExportSource, export_tiers
+from nefl_zoo.export import ExportError, ExportOptions, ExportSource, export_tiers
 from nefl_zoo.export.nested import Slice, quantize_per_channel
 from nefl_zoo.export.nested_model import FUNCTION_DOMAIN
 from nefl_zoo.manifest import ManifestError, file_sha256, load_manifest, parse_manifest
@@ -48,8 +48,8 @@ def exports(tmp_path_factory):
     for layout in ("files", "nested"):
         source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8})
         out[layout] = tmp_path_factory.mktemp(layout)
-        export_tiers(source, out[layout], precisions=PRECISIONS, calibration=calibration, latency_runs=1, threads=1,
-                     format=layout, warn=pytest.fail)
+        options = ExportOptions(precisions=PRECISIONS, calibration=calibration, latency_runs=1, threads=1, format=layout)
+        export_tiers(source, out[layout], options, warn=pytest.fail)
     return compiled, state, out["files"], out["nested"]
 
 
@@ -304,7 +304,8 @@ def test_an_export_whose_branch_reads_another_tiers_slice_fails(exports, tmp_pat
     monkeypatch.setattr(package_module, "nested_model", shifted)
     out = tmp_path / "out"
     with pytest.raises(ExportError, match=r"entry small: the nested model's logits differ from the tier's alone by"):
-        export_tiers(ExportSource(compiled, state, "test"), out, tiers=["small", "full"], latency_runs=1, threads=1, format="nested")
+        export_tiers(ExportSource(compiled, state, "test"), out,
+                     ExportOptions(tiers=["small", "full"], latency_runs=1, threads=1, format="nested"))
     assert not (out / "manifest.json").exists()
 
 
@@ -475,7 +476,8 @@ def test_an_export_that_reads_back_other_than_it_was_made_is_not_published(expor
     monkeypatch.setattr(package_module.PackageWriter, "finish", one_weight_changed)
     out = tmp_path / "out"
     with pytest.raises((ExportError, ManifestError), match="sha256|read back gives other logits"):
-        export_tiers(ExportSource(compiled, state, "test"), out, tiers=["small"], latency_runs=1, threads=1, format="nested")
+        export_tiers(ExportSource(compiled, state, "test"), out,
+                     ExportOptions(tiers=["small"], latency_runs=1, threads=1, format="nested"))
     assert not (out / "manifest.json").exists()
 
 
@@ -490,9 +492,9 @@ def test_padded_tiers_share_their_weights_too(exports, tmp_path, capfd, monkeypa
     out = {}
     for layout in ("files", "nested"):
         out[layout] = tmp_path / layout
-        export_tiers(ExportSource(compiled, state, "test"), out[layout], tiers=["small"], latency_runs=1, threads=1,
-                     channel_align=16, precisions=["fp32", "int8", "fp16"], calibration=images(compiled, 32, seed=2),
-                     format=layout, warn=pytest.fail)
+        options = ExportOptions(tiers=["small"], latency_runs=1, threads=1, channel_align=16, precisions=["fp32", "int8", "fp16"],
+                                calibration=images(compiled, 32, seed=2), format=layout)
+        export_tiers(ExportSource(compiled, state, "test"), out[layout], options, warn=pytest.fail)
     manifest = load_manifest(out["nested"])
     assert all(t.channel_align == 16 for t in manifest.tiers)
     nested, files = TierRuntime(out["nested"]), TierRuntime(out["files"])
@@ -534,14 +536,16 @@ def test_a_model_past_the_protobuf_limit_is_refused_in_one_line(exports, tmp_pat
     monkeypatch.setattr(package_module, "MAX_TIER_BYTES", 1000)
     compiled, state = exports[0], exports[1]
     with pytest.raises(ExportError, match=r"the fp32 nested model is .* GiB, past ONNX's 2 GiB protobuf limit .*--format files"):
-        export_tiers(ExportSource(compiled, state, "test"), tmp_path / "out", tiers=["small"], latency_runs=1, threads=1, format="nested")
+        export_tiers(ExportSource(compiled, state, "test"), tmp_path / "out",
+                     ExportOptions(tiers=["small"], latency_runs=1, threads=1, format="nested"))
 
 
 def test_re_exporting_changes_nothing_but_the_timings(exports, tmp_path):
     """Same source, same files: the nested model is deterministic, byte for byte."""
     compiled, state = exports[0], exports[1]
     source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8})
-    export_tiers(source, tmp_path, precisions=["fp32"], calibration=calibration_images(compiled.input_size), latency_runs=1, threads=1, format="nested")
+    export_tiers(source, tmp_path, ExportOptions(precisions=["fp32"], calibration=calibration_images(compiled.input_size),
+                                                 latency_runs=1, threads=1, format="nested"))
     assert file_sha256(tmp_path / "nested.fp32.onnx") == file_sha256(exports[3] / "nested.fp32.onnx")
     assert re.fullmatch(r"[0-9a-f]{64}", load_manifest(tmp_path).tiers[0].sha256)
 
@@ -551,9 +555,9 @@ def test_a_precision_exports_without_fp32(exports, tmp_path):
     nested writer assumed an FP32 entry; ``fp16`` alone took the same path); the tier is the one
     the export of every precision holds, to the logit."""
     compiled, state, _, nested = exports
-    manifest = export_tiers(ExportSource(compiled, state, "test"), tmp_path, tiers=["small"], precisions=["int8"],
-                            calibration=calibration_images(compiled.input_size), latency_runs=1, threads=1, format="nested",
-                            warn=pytest.fail)
+    options = ExportOptions(tiers=["small"], precisions=["int8"], calibration=calibration_images(compiled.input_size),
+                            latency_runs=1, threads=1, format="nested")
+    manifest = export_tiers(ExportSource(compiled, state, "test"), tmp_path, options, warn=pytest.fail)
     assert [t.label for t in manifest.tiers] == ["small:int8"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "nested.int8.onnx"]
     x = images(compiled)
@@ -567,7 +571,7 @@ def test_the_channel_padding_auto_chose_is_recorded_and_reused(exports, tmp_path
     the same run exported twice gave 1,138,820 and 1,138,720 bytes). With the alignment fixed,
     an export is byte for byte the same (the test below), so the same source exported twice now
     gives the same files. A record of another tier (other params) is not reused."""
-    from nefl_zoo.export import tiers as tiers_module
+    from nefl_zoo.export import fp32 as fp32_module
     from nefl_zoo.export.onnx_file import cpu_channel_block
 
     compiled, state, _, nested = exports
@@ -577,21 +581,21 @@ def test_the_channel_padding_auto_chose_is_recorded_and_reused(exports, tmp_path
     for entry in manifest["tiers"]:
         entry.update(channel_align=block, channel_align_ms=recorded)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    real, timed = tiers_module.interleaved_median_ms, []
+    real, timed = fp32_module.interleaved_median_ms, []
 
     def counting(calls, runs, **kwargs):
         timed.append(sorted(map(str, calls)))
         return real(calls, runs, **kwargs)
 
-    monkeypatch.setattr(tiers_module, "interleaved_median_ms", counting)
-    again = export_tiers(ExportSource(compiled, state, "test"), tmp_path, tiers=["small"], latency_runs=1, threads=1,
-                         channel_align="auto", format="nested")
+    monkeypatch.setattr(fp32_module, "interleaved_median_ms", counting)
+    again = export_tiers(ExportSource(compiled, state, "test"), tmp_path,
+                         ExportOptions(tiers=["small"], latency_runs=1, threads=1, channel_align="auto", format="nested"))
     assert [str(block)] in timed and ["1", str(block)] not in timed  # the kept file's latency only: no choice timed
     assert again.tiers[0].channel_align == block and again.tiers[0].channel_align_ms == recorded
     profiles = {p.name: p for p in profile_tiers(compiled)}
-    assert tiers_module.recorded_alignments(tmp_path, compiled, profiles) == {"small": (block, recorded)}
+    assert fp32_module.recorded_alignments(tmp_path, compiled, profiles) == {"small": (block, recorded)}
     other = compile_spec(parse_spec({**SPEC, "tiers": [{"name": "small", "gamma_w": 0.5}]}))  # another tier of that name
-    assert tiers_module.recorded_alignments(tmp_path / "manifest.json", other, {p.name: p for p in profile_tiers(other)}) == {}
+    assert fp32_module.recorded_alignments(tmp_path / "manifest.json", other, {p.name: p for p in profile_tiers(other)}) == {}
 
 
 def quiet_failure(capfd, call, message):

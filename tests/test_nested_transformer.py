@@ -13,7 +13,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.manifest import load_manifest
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
@@ -28,8 +28,8 @@ def vit_export(tmp_path_factory):
     compiled = compile_spec(parse_spec(VIT_SPEC))
     state = trained_like_state(compiled)
     out = tmp_path_factory.mktemp("nested")
-    export_tiers(ExportSource(compiled, state, "vit"), out, precisions=["fp32"], latency_runs=1, threads=1,
-                 format="nested", warn=pytest.fail)
+    export_tiers(ExportSource(compiled, state, "vit"), out,
+                 ExportOptions(precisions=["fp32"], latency_runs=1, threads=1, format="nested"), warn=pytest.fail)
     return compiled, state, out
 
 

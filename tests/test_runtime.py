@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nefl_zoo.export import ExportSource, export_tiers
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.manifest import ManifestError, file_sha256, load_manifest
 from nefl_zoo.runtime import NoTierFits, TierRuntime
 from nefl_zoo.slim import compile_spec
@@ -32,7 +32,7 @@ def exported(tmp_path_factory):
     state = compiled.init_global_state()
     out = tmp_path_factory.mktemp("export")
     source = ExportSource(compiled, state, "test", accuracy={"small": 0.7, "full": 0.8})
-    export_tiers(source, out, latency_runs=2)
+    export_tiers(source, out, ExportOptions(latency_runs=2))
     return compiled, state, out
 
 

@@ -23,8 +23,8 @@ import yaml
 from typer.testing import CliRunner
 
 from nefl_zoo import files
-from nefl_zoo.export import ExportSource, export_tiers
-from nefl_zoo.export import tiers as export_tiers_module
+from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
+from nefl_zoo.export import fp32 as export_fp32_module
 from nefl_zoo.files import WriteError
 from nefl_zoo.fl import store
 from nefl_zoo.fl.engine import Engine
@@ -133,7 +133,7 @@ def previous_export(tmp_path_factory) -> Path:
     """An export of the tiny spec, copied into each test's output folder."""
     compiled = compile_spec(parse_spec(SPEC))
     out = tmp_path_factory.mktemp("previous") / "out"
-    export_tiers(ExportSource(compiled, compiled.init_global_state(), "previous"), out, latency_runs=1, threads=1)
+    export_tiers(ExportSource(compiled, compiled.init_global_state(), "previous"), out, ExportOptions(latency_runs=1, threads=1))
     return out
 
 
@@ -148,10 +148,10 @@ def test_a_full_disk_while_staging_a_tier_leaves_the_previous_export(previous_ex
     def write_onnx_on_a_full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, FULL)
 
-    monkeypatch.setattr(export_tiers_module, "write_onnx", write_onnx_on_a_full_disk)
+    monkeypatch.setattr(export_fp32_module, "write_onnx", write_onnx_on_a_full_disk)
     compiled = compile_spec(parse_spec(SPEC))
     with pytest.raises(WriteError) as failed:
-        export_tiers(ExportSource(compiled, compiled.init_global_state(), "new"), out, latency_runs=1, threads=1)
+        export_tiers(ExportSource(compiled, compiled.init_global_state(), "new"), out, ExportOptions(latency_runs=1, threads=1))
     assert str(failed.value) == f"{out}: cannot write ({FULL}); {EXPORT_FIX}"
     assert snapshot(out) == before  # no staging folder, no lock file, the previous manifest and files
 

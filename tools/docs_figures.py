@@ -124,10 +124,10 @@ def nested_onnx():
     import onnx
     from onnx import numpy_helper
 
-    from nefl_zoo.export import export_tiers, load_source
+    from nefl_zoo.export import ExportOptions, export_tiers, load_source
 
     with tempfile.TemporaryDirectory() as folder:
-        export_tiers(load_source("resnet20/nefl-wd"), folder, format="nested", latency_runs=1)
+        export_tiers(load_source("resnet20/nefl-wd"), folder, ExportOptions(format="nested", latency_runs=1))
         model = onnx.load(Path(folder) / "nested.fp32.onnx")
     shared = model.graph.initializer
     shared_mb = sum(numpy_helper.to_array(t).nbytes for t in shared) / 1e6

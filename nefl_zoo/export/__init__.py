@@ -19,8 +19,10 @@ One job per module:
                 quantized file's agreement with FP32
     data        the images INT8 is calibrated on and quantized files are checked on
     quantize    INT8 (onnxruntime static quantization, QDQ) and FP16 files from FP32
+    fp32        one tier's FP32 file: folded, padded, written, verified and timed
     precisions  one tier's files at every precision: checked, measured, timed together
     staging     the locked staging folder, and publishing files and manifest
+    options     ExportOptions: what to export and how (the settings of ``nefl-zoo export``)
     tiers       export_tiers: the above for every tier
     mobile      an export's nested models in onnxruntime's ORT format (``convert-ort``)
 """
@@ -38,7 +40,8 @@ from .onnx_file import (
 )
 from .sources import DATASETS, ExportSource, check_global_state, load_run_dir, load_source, read_accuracy, read_dataset
 from .surgery import fold_batchnorm, pad_channels
-from .tiers import CALIBRATION_IMAGES, export_tiers
+from .options import CALIBRATION_IMAGES, ExportOptions
+from .tiers import export_tiers
 from .verify import ATOL, ExportError, check_parity, check_single_file, tolerance_for
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "NORMALIZATION",
     "OUTPUT_NAME",
     "ExportError",
+    "ExportOptions",
     "ExportSource",
     "activation_bytes_per_sample",
     "check_global_state",

@@ -25,16 +25,18 @@ session's input and output shapes are checked against the manifest's ``input.sha
 measures every entry's latency on the device (:mod:`.latency`).
 
 Modules: ``session`` (hash-checked bytes and sessions), ``tiers`` (:class:`TierRuntime`),
-``nested`` (one file holding every tier), ``wire`` (the protobuf walk that refuses external
-data), ``arrays`` (a safetensors header, for the Flower records),
-``adaptive`` (the deadline policy), ``latency`` (tables measured on the device).
+``selection`` (its budget-driven selector), ``nested`` (one file holding every tier),
+``wire`` (the protobuf walk that refuses external data), ``arrays`` (a safetensors header,
+for the Flower records), ``adaptive`` (the deadline policy), ``latency`` (tables measured on
+the device).
 """
 
 from .adaptive import AdaptivePolicy, Candidate, Deadline
 from .latency import LatencyTable, load_latency_table, measure_latency_table
 from .nested import TierSession
 from .session import CPU_PROVIDER, MAX_TIER_BYTES, check_self_contained, create_session, read_tier, session_from_bytes
-from .tiers import NoTierFits, Selection, TierRuntime, run_in_chunks
+from .selection import NoTierFits, Selection
+from .tiers import TierRuntime, run_in_chunks
 
 __all__ = [
     "CPU_PROVIDER",

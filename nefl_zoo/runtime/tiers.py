@@ -1,46 +1,24 @@
-"""TierRuntime: the tiers of one manifest, their cached sessions and the budget-driven selector."""
+"""TierRuntime: the tiers of one manifest, their cached sessions and the budget-driven selector
+(:mod:`.selection`)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
-from ..bounds import MAX_MS, MIN_MS, number
 from ..manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierEntry, load_manifest
 from ..memory import WORKING_SET_FACTOR, check_batch_memory
 from ..timing import interleaved_median_ms
 from .adaptive import AdaptivePolicy, Candidate, Deadline
 from .nested import TIER_INPUT, TierSession, nested_metadata
+from .selection import Budget, NoTierFits, Selection, select_entry  # noqa: F401 (NoTierFits: importable from here too)
 from .session import CPU_PROVIDER, create_session
-
-class NoTierFits(ValueError):
-    """No tier of the manifest meets the budget."""
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The (tier, precision) :meth:`TierRuntime.select` chose, and why.
-
-    Attributes:
-        tier: the chosen tier's name.
-        reason: why, in one line (the budget, what fits, its latency).
-        fitting: the labels of every entry within the budget.
-        precision: the chosen entry's precision.
-        label: the chosen entry's label (``NAME`` or ``NAME:PRECISION``).
-    """
-
-    tier: str
-    reason: str
-    fitting: tuple[str, ...]
-    precision: str
-    label: str  # the entry's label: the tier name for FP32, else NAME:PRECISION
 
 
 class TierRuntime:
@@ -227,56 +205,8 @@ class TierRuntime:
         refuse (below a microsecond or above a day), a precision without files, or
         ``latencies`` missing an entry.
         """
-        budgets = {
-            "latency_ms": latency_ms, "max_macs": max_macs, "max_params": max_params,
-            "max_memory_mb": max_memory_mb, "max_file_mb": max_file_mb,
-        }
-        for name, value in budgets.items():
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be a finite number >= 0, got {value}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch: must be an integer >= 1, got {batch}")
-        checks: list[tuple[str, Callable[[TierEntry], float], float]] = []
-        tiers = self.entries(precisions)
-        if latencies is not None:
-            missing = [t.label for t in tiers if t.label not in latencies]
-            if missing:
-                raise ValueError(f"latencies: no latency for {', '.join(missing)} (measured {latency_source})")
-            for t in tiers:  # what the adaptive policy takes as an estimate, no less
-                number(f"latencies[{t.label}]", latencies[t.label], MIN_MS, MAX_MS)
-            expected = lambda t: latencies[t.label]  # noqa: E731
-        else:
-            expected, latency_source = (lambda t: t.latency.median_ms), "on export"  # noqa: E731
-        if latency_ms is not None:
-            checks.append((f"latency <= {latency_ms:g} ms", expected, latency_ms))
-        if max_macs is not None:
-            checks.append((f"MACs <= {max_macs:,.0f}", lambda t: t.macs, max_macs))
-        if max_params is not None:
-            checks.append((f"params <= {max_params:,.0f}", lambda t: t.params, max_params))
-        if max_memory_mb is not None:
-            checks.append(
-                (f"memory <= {max_memory_mb:g} MB at batch {batch}", lambda t: t.memory_mb(batch), max_memory_mb)
-            )
-        if max_file_mb is not None:
-            checks.append((f"file <= {max_file_mb:g} MB", lambda t: t.weights_mb, max_file_mb))
-        fitting = [t for t in tiers if all(cost(t) <= limit for _, cost, limit in checks)]
-        budget = " and ".join(label for label, _, _ in checks) or "no budget"
-        if not fitting:
-            cheapest = min(tiers, key=lambda t: (t.macs, t.weights_mb))
-            needs = ", ".join(f"{label.split(' <=')[0]} {cost(cheapest):,.4g}" for label, cost, _ in checks)
-            raise NoTierFits(f"no tier fits {budget}; the smallest, {cheapest.label}, needs {needs}")
-        if all(t.accuracy is not None for t in fitting):
-            best = max(fitting, key=lambda t: (t.accuracy, -t.macs, -t.weights_mb))
-            why = f"most accurate (accuracy {best.accuracy:.4g})"
-        else:
-            best = max(fitting, key=lambda t: (t.macs, t.params, t.weights_mb))
-            why = f"largest ({best.macs:,} MACs; accuracy not measured for every tier)"
-        at = batch if latencies is not None else best.latency.batch
-        reason = (
-            f"{best.label}: {why} of {len(fitting)}/{len(tiers)} tiers within {budget}; "
-            f"{expected(best):.3g} ms at batch {at} {latency_source}"
-        )
-        self.selection = Selection(best.name, reason, tuple(t.label for t in fitting), best.precision, best.label)
+        budget = Budget(latency_ms, max_macs, max_params, max_memory_mb, max_file_mb, batch)
+        self.selection = select_entry(self.entries(precisions), budget, latencies, latency_source)
         return self.selection
 
     def entries(self, precisions: Sequence[str] | None = None) -> list[TierEntry]:

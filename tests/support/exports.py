@@ -59,8 +59,9 @@ def trained_looking_state(compiled) -> dict[str, torch.Tensor]:
 
 
 def nested_export(folder: str | Path, precisions=("fp32", "int8"), **options) -> Path:
-    """Export the three tiers into ``folder`` (the default nested format) and return it."""
-    from nefl_zoo.export import ExportSource, export_tiers
+    """Export the three tiers into ``folder`` (the default nested format) and return it;
+    ``options``: fields of :class:`ExportOptions` over these defaults."""
+    from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
 
@@ -70,5 +71,5 @@ def nested_export(folder: str | Path, precisions=("fp32", "int8"), **options) ->
     source = ExportSource(compiled, state, "test", accuracy={"small": 0.6, "mid": 0.7, "full": 0.8}, dataset="digits")
     settings = {"precisions": list(precisions), "calibration": calibration_images(compiled.input_size), "latency_runs": 1, "threads": 1,
                 "format": "nested", **options}
-    export_tiers(source, folder, **settings)
+    export_tiers(source, folder, ExportOptions(**settings))
     return Path(folder)
