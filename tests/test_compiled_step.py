@@ -1,6 +1,6 @@
 """The local training step (``nefl_zoo.fl.step``): ``train.compile`` (one compilation per
 submodel structure, results equal to eager training, a compiled run resumed bit for bit),
-``train.memory_format`` and SGD's fused kernel (the same results as before). The compiled runs
+``train.memory_format`` and the default step (the same results as before). The compiled runs
 are two-round digits runs of a ResNet20 cut to one residual block and two projection shortcuts
 at 8x8, two tiers, made once for the file (TorchInductor compiles each tier once)."""
 
@@ -124,8 +124,9 @@ def _client(tmp_path, *overrides):
 
 
 def test_the_default_step_is_the_plain_sgd_loop_bit_for_bit(tmp_path):
-    """``fit`` at the default settings (SGD's foreach kernels, contiguous layout, eager) against
-    the loop written out with SGD's per-tensor implementation, in float32."""
+    """``fit`` at the default settings (eager, contiguous layout) against the loop written out
+    with SGD's per-tensor implementation, in float32: SGD's fused kernel would fail this (it
+    rounds momentum's multiply-add once)."""
     engine, instruction, data = _client(tmp_path, "train.weight_decay=0.001")
     trained = fit(engine.strategy.local_model(instruction), data, instruction.config)
     local = engine.strategy.local_model(instruction)

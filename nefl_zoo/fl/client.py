@@ -66,8 +66,7 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     local.to(where.device, memory_format=MEMORY_FORMATS[where.memory_format])
     params = [p for p in local.parameters() if p.requires_grad]
     scaler = where.scaler()
-    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"],
-                                foreach=True)
+    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
     forward = LocalForward(local, where, int(config["batch_size"]))
     total_loss, correct, seen, compile_s = 0.0, 0, 0, 0.0
     with torch.random.fork_rng(devices=[]):
