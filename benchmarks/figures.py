@@ -408,9 +408,30 @@ def secagg(data: dict):
     return _done(fig, axes, f"SecAgg+ against plain Flower ({data['clients']} clients, NeFL)")
 
 
+def peer(data: dict):
+    """Median round per case and side; per submodel, the authors' seconds over each nefl-zoo side's."""
+    summary = find_table(data, "authors s", "load range")
+    sides = [c.removesuffix(" s") for c in summary["columns"][1:] if c.endswith(" s") and c != "compile s"]
+    cases = column(summary, "case")
+    fig, (ax1, ax2) = _figure(2, width=5.5)
+    _bars(ax1, cases, {side: _numbers(column(summary, f"{side} s")) for side in sides})
+    ax1.set_ylabel("median round, s")
+    ax1.legend(fontsize=7)
+    ax1.tick_params(axis="x", labelsize=7)
+    tiers = find_table(data, "submodel", "authors s")
+    labels = [f"{c.split()[0]} {c.split()[1].removeprefix('NeFL-')} {t}" for c, t in zip(column(tiers, "case"), column(tiers, "submodel"))]
+    ours = [c.removesuffix(" s") for c in tiers["columns"] if c.endswith(" s") and c != "authors s"]
+    _hbars(ax2, labels, {side: (_numbers([row[tiers["columns"].index(f"{side} s") + 1] for row in tiers["rows"]]), [0] * len(labels))
+                         for side in ours})
+    ax2.axvline(1.0, color="k", lw=0.8)
+    ax2.set_xlabel("authors' time / nefl-zoo's (per client)")
+    ax2.legend(fontsize=7)
+    return _done(fig, [ax1, ax2], "nefl-zoo against the NeFL authors' code, the same rounds")
+
+
 FIGURES: dict[str, Callable[[dict], "matplotlib.figure.Figure"]] = {
     "accel": accel, "autonest": autonest, "batched_order": batched_order, "cli": cli, "clock": clock, "compare": compare,
     "edge": edge, "export": export, "fedavg_mnist": fedavg_mnist, "fedlps": fedlps, "fl": fl, "flower": flower,
-    "latency": latency, "nested": nested, "nested_mnist": nested_mnist, "quant": quant, "robust": robust,
+    "latency": latency, "nested": nested, "nested_mnist": nested_mnist, "peer": peer, "quant": quant, "robust": robust,
     "secagg": secagg, "slim": slim,
 }

@@ -62,10 +62,10 @@ def runs(tmp_path_factory):
         step.clear_compiled()
         eager = _float64_engine(load_config(QUICK, TINY), folder / "eager")
         eager.run()
-        before = step.compile_stats.graphs
+        before = (step.compile_stats.graphs, step.compile_stats.structures)
         compiled = _float64_engine(load_config(QUICK, [*TINY, "train.compile=true"]), folder / "compiled")
         compiled.run()
-        graphs = step.compile_stats.graphs - before
+        graphs = (step.compile_stats.graphs - before[0], step.compile_stats.structures - before[1])
         _float64_engine(load_config(QUICK, [*TINY, "train.compile=true", "rounds=1"]), folder / "resumed").run()
         step.clear_compiled()
         before = step.compile_stats.graphs
@@ -103,7 +103,7 @@ def test_each_tier_structure_compiles_once_for_every_client_and_round(runs):
     assert any(len(engine.data.client_dataset(c)) % engine.config.train.batch_size for c in range(4))
     records = runs.records["compiled"]
     assert [r["tiers"] for r in records] == [{"narrow": 2, "wide": 2}] * 2
-    assert runs.graphs == 2
+    assert runs.graphs == (2, 2)  # graphs compiled, structures
     assert records[0]["compile_s"] > 0 and records[1]["compile_s"] == 0.0
     assert all("compile_s" not in r for r in runs.records["eager"])
 

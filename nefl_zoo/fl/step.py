@@ -65,14 +65,15 @@ def _inductor(graph: torch.fx.GraphModule, example_inputs):
 
 
 def _structure(local: LocalModel, x: torch.Tensor, where: Placement) -> tuple:
+    """The key of ``local``'s compiled loss on batches like ``x`` on ``where``."""
     tensors = (*local.named_parameters(), *local.named_buffers())
     return (type(local), where, tuple(x.shape), x.dtype,
             tuple((k, tuple(v.shape), v.dtype, v.requires_grad) for k, v in tensors))
 
 
-def _compile_for(key: tuple) -> Callable:
-    """The compiled loss of structure ``key``: a copy of :func:`_loss_of` with a code object of
-    its own (TorchDynamo keeps compiled code, and counts recompilations, per code object)."""
+def _compiled_loss() -> Callable:
+    """A new structure's compiled loss: a copy of :func:`_loss_of` with a code object of its own
+    (TorchDynamo keeps compiled code, and counts recompilations, per code object)."""
     copy = types.FunctionType(_loss_of.__code__.replace(), _loss_of.__globals__, _loss_of.__name__)
     compile_stats.structures += 1
     return torch.compile(copy, backend=_inductor, dynamic=False)
@@ -123,7 +124,7 @@ class LocalForward:
             return self.local.loss(x, y)
         step = _compiled.get(self._key)
         if step is None:
-            step = _compiled[self._key] = _compile_for(self._key)
+            step = _compiled[self._key] = _compiled_loss()
         try:
             return step(self.local, x, y)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
