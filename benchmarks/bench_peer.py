@@ -13,8 +13,8 @@ Their own flags do the rest: ``--num_users 5 --frac 1 --min_flex_num 0 --max_fle
 ``--learnable_step True --pretrained '' --wandb ''`` (an empty string is their ``False``).
 
 nefl-zoo runs the same work through its engine (``Engine.run_round``: instructions, local
-training, NeFedAvg; no evaluation on either side), once eager (the default) and once with
-``train.compile`` (and ``--memory-format``), each in its own process. Both sides build the same
+training, NeFedAvg; no evaluation on either side) in the ways of :data:`OURS` (``--sides``: the
+default, channels-last, compiled, bf16), each in its own process. Both sides build the same
 data: MNIST at 3x32x32 for ResNet18 (5 clients x 600 images, read with ``--mnist``,
 ``benchmarks/mnist_offline.py`` writes it) and scikit-learn's digits at 3x16x16 for ResNet56
 (the smallest CIFAR ResNet of the authors' code; 5 clients of 269-270), no augmentation on
@@ -25,12 +25,14 @@ holds its compilation (``compile_s``, TorchInductor's cache emptied for every pr
 
 ``--part steps`` times one training step (batch 32) per submodel in this process instead: the
 authors' module (NCHW, eager, skipped blocks computed and multiplied by 0) against nefl-zoo's
-slim module eager, channels-last, compiled and both, and SGD's for-loop, foreach and fused
-kernels.
+slim module eager and in the ways ``--ways`` names (:data:`WAYS`: channels-last, compiled, both,
+bf16), with each module's MACs and GFLOP/s; then a matrix product's GFLOP/s in fp32 and bf16
+(what the core can do), one step's loss and gradients in fp32 and bf16 against float64, and
+SGD's for-loop, foreach and fused kernels.
 
 Run: ``python benchmarks/bench_peer.py --authors PATH [--mnist DIR] [--models resnet18,resnet56]
-[--methods W,WD] [--rounds 5] [--threads 2] [--memory-format channels_last]``; ``--part steps``
-for the step table. Results: ``benchmarks/results/peer.json`` and ``docs/benchmarks/img/peer.png``
+[--methods W,WD] [--rounds 5] [--threads 2] [--sides nefl-zoo,channels-last,compiled,bf16]``;
+``--part steps [--ways ...] [--steps 10]`` for the step tables. Results: ``benchmarks/results/peer.json`` and ``docs/benchmarks/img/peer.png``
 (``--plot-only`` redraws it; see ``publish.py``).
 """
 
@@ -376,12 +378,19 @@ def report_rounds(cases: dict[tuple[str, str], dict[str, list[dict]]], args) -> 
 
 
 # -- one step per submodel, in this process ------------------------------------------------------
+#: nefl-zoo's ways of taking a step in ``--part steps`` (``--ways`` picks some; eager always runs)
+WAYS = {"eager": {}, "channels-last": {"memory_format": "channels_last"}, "compiled": {"compile": True},
+        "compiled + channels-last": {"compile": True, "memory_format": "channels_last"},
+        "bf16 + channels-last": {"precision": "bf16", "memory_format": "channels_last"}}
+
+
 def steps(args) -> None:
-    """The step table: the authors' module against nefl-zoo's slim module, four ways, per submodel."""
+    """The step table: the authors' module against nefl-zoo's slim module, per submodel, in the
+    ways of ``--ways``; then what the core can do, bf16's error and SGD's kernels."""
     import torch
-    import torch.nn.functional as F
 
     from nefl_zoo.fl.device import Placement
+    from nefl_zoo.profile import count_macs
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
     from nefl_zoo.timing import interleaved_median_ms
@@ -391,14 +400,15 @@ def steps(args) -> None:
     import models as their_models
     from utils.getData import get_submodel_info
 
-    ways = {"eager": Placement(), "channels-last": Placement(memory_format="channels_last"), "compiled": Placement(compile=True),
-            "compiled + channels-last": Placement(compile=True, memory_format="channels_last"),
-            "bf16 + channels-last": Placement(precision="bf16", memory_format="channels_last")}
+    ways = {w: Placement(**WAYS[w]) for w in WAYS if w == "eager" or w in args.ways}
+    compiles = any(where.compile for where in ways.values())
     print(f"\nOne training step (batch 32, SGD lr 0.1), median ms of {args.steps} interleaved steps, {args.threads} thread(s); "
-          "x: the authors' ms / the best of nefl-zoo's in fp32:\n")
-    print(publish.render_row(["case", "submodel", "authors ms", *(f"{w} ms" for w in ways), "compile s", "x", "load"]))
-    print("|---" * (6 + len(ways)) + "|")
-    optimizer_rows, seen = [], set()
+          "MACs: one image's forward pass (the authors' module computes its skipped blocks and multiplies them by 0); "
+          "GFLOP/s: 3 x 2 x MACs x 32 over the step; x: the authors' ms / the best of nefl-zoo's in fp32:\n")
+    print(publish.render_row(["case", "submodel", "authors MMACs", "nefl-zoo MMACs", "authors ms", *(f"{w} ms" for w in ways),
+                              *(["compile s"] if compiles else []), "x", "GFLOP/s authors", "GFLOP/s best fp32", "load"]))
+    print("|---" * (9 + len(ways) + compiles) + "|")
+    optimizer_rows, error_rows, seen = [], [], set()
     for model in args.models:
         x, y = torch.randn(32, *CASES[model]["input"]), torch.randint(0, 10, (32,))
         for method in args.methods:
@@ -408,8 +418,9 @@ def steps(args) -> None:
                 if (model, ps[i], json.dumps(s2d[i][0])) in seen:
                     continue  # the same submodel as an earlier method's
                 seen.add((model, ps[i], json.dumps(s2d[i][0])))
-                theirs = getattr(their_models, f"{model}wd")(s2d[i][0], ps[i], True, 10).train()
-                fns = {"authors": _their_step(theirs, x, y)}
+                theirs = getattr(their_models, f"{model}wd")(s2d[i][0], ps[i], True, 10)
+                macs = {"authors": count_macs(theirs, CASES[model]["input"]), "ours": count_macs(spec[tier].build(), CASES[model]["input"])}
+                fns = {"authors": _their_step(theirs.train(), x, y)}
                 compile_s = {}
                 for way, where in ways.items():
                     fns[way] = step_of = _our_step(spec[tier].build(), where, x, y)
@@ -419,16 +430,71 @@ def steps(args) -> None:
                 load = os.getloadavg()[0]
                 ms = interleaved_median_ms(fns, rounds=args.steps, warmup_rounds=1)
                 best = min(ms[w] for w, where in ways.items() if where.precision == "fp32")
-                print(publish.render_row([f"{model} NeFL-{method}", tier, f"{ms['authors']:.1f}", *(f"{ms[w]:.1f}" for w in ways),
-                                          f"{max(compile_s.values()):.0f}", f"{ms['authors'] / best:.2f}", f"{load:.2f}"]), flush=True)
+                gflop = {side: 3 * 2 * 32 * m / 1e9 for side, m in macs.items()}  # forward + two backward products
+                print(publish.render_row([f"{model} NeFL-{method}", tier, f"{macs['authors'] / 1e6:.1f}", f"{macs['ours'] / 1e6:.1f}",
+                                          f"{ms['authors']:.1f}", *(f"{ms[w]:.1f}" for w in ways),
+                                          *([f"{max(compile_s.values()):.0f}"] if compiles else []), f"{ms['authors'] / best:.2f}",
+                                          f"{gflop['authors'] / ms['authors'] * 1e3:.1f}", f"{gflop['ours'] / best * 1e3:.1f}",
+                                          f"{load:.2f}"]), flush=True)
                 if tier == "g1" and method == args.methods[0]:
                     optimizer_rows.append((model, _optimizer_ms(spec[tier].build(), x, y, args.steps)))
+                    error_rows.append((model, _precision_error(spec[tier].build(), x, y)))
+    _core_gflops(args.threads)
+    print("\nbf16's error: one step's loss and gradients of the full submodel (batch 32, training mode, just built) against "
+          "float64, relative (a gradient: the norm of the difference over the norm; all: every parameter's together), "
+          "autocast as train.precision sets it:\n")
+    kinds = [f"{p} {what}" for what in ("loss", "gradient, all", "gradient, first layer", "gradient, classifier") for p in ("fp32", "bf16")]
+    print(publish.render_row(["model", *kinds]))
+    print("|---" * (1 + len(kinds)) + "|")
+    for model, err in error_rows:
+        print(publish.render_row([model, *(f"{err[k]:.1e}" for k in kinds)]))
     print("\nSGD's kernels on the full submodel: median ms of `optimizer.step()` alone (momentum 0.9, weight decay 5e-4), "
           "interleaved:\n")
     print(publish.render_row(["model", "for-loop ms", "foreach ms", "fused ms"]))
     print("|---|---|---|---|")
     for model, ms in optimizer_rows:
         print(publish.render_row([model, f"{ms['for-loop']:.2f}", f"{ms['foreach']:.2f}", f"{ms['fused']:.2f}"]))
+
+
+def _core_gflops(threads: int) -> None:
+    """What the core can do: the GFLOP/s of a large matrix product in fp32 and bf16."""
+    import torch
+
+    from nefl_zoo.timing import interleaved_median_ms
+
+    print(f"\nWhat the core can do: a 2048 x 2048 matrix product, {threads} thread(s), median of 5, "
+          f"load {os.getloadavg()[0]:.2f}:\n")
+    print("| dtype | GFLOP/s |\n|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        ms = interleaved_median_ms({"mm": lambda: a @ b}, rounds=5, warmup_rounds=1)["mm"]
+        print(publish.render_row([str(dtype).removeprefix("torch."), f"{2 * 2048 ** 3 / ms / 1e6:.0f}"]))
+
+
+def _precision_error(net, x, y) -> dict[str, float]:
+    """Relative error of one step's loss and gradients (all, the first layer's, the classifier's)
+    in fp32 and under bf16 autocast, against float64."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    def loss_and_grads(module, inputs, dtype=None):
+        module = copy.deepcopy(module).train()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(module(inputs), y)
+        loss.backward()
+        grads = [p.grad.detach().double().flatten() for p in module.parameters()]
+        weights = [g for g, p in zip(grads, module.parameters()) if p.dim() > 1]
+        return {"loss": loss.detach().double().reshape(1), "gradient, all": torch.cat(grads),
+                "gradient, first layer": weights[0], "gradient, classifier": weights[-1]}
+
+    exact = loss_and_grads(copy.deepcopy(net).double(), x.double())
+    out = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        for what, value in loss_and_grads(net, x, dtype).items():
+            out[f"{name} {what}"] = float((value - exact[what]).norm() / exact[what].norm())
+    return out
 
 
 def _their_step(net, x, y):
@@ -489,11 +555,14 @@ def main() -> None:
     parser.add_argument("--methods", default="W,WD", help="NeFL-W and NeFL-WD (the authors' --method)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per side (rounds 2 on are compared)")
     parser.add_argument("--steps", type=int, default=10, help="--part steps: interleaved steps per way")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"--part steps: nefl-zoo's ways ({', '.join(WAYS)}); eager always")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of every side")
     parser.add_argument("--sides", default=",".join(OURS), help=f"nefl-zoo's sides raced against the authors': {', '.join(OURS)}")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "bench_peer", help="the processes' logs")
     args = parser.parse_args()
-    args.models, args.methods = args.models.split(","), args.methods.split(",")
+    args.models, args.methods, args.ways = args.models.split(","), args.methods.split(","), args.ways.split(",")
+    if unknown := set(args.ways) - set(WAYS):
+        raise SystemExit(f"--ways: unknown {', '.join(sorted(unknown))}; choose among {', '.join(WAYS)}")
     if not (args.authors / "NeFL-toy.py").is_file() or not (args.authors / "utils" / "NeFedAvg.py").is_file():
         raise SystemExit(f"--authors {args.authors}: no NeFL-toy.py and utils/NeFedAvg.py there; {CHECKOUT_HELP}")
     if args.part == "rounds" and "resnet18" in args.models and not args.mnist:
