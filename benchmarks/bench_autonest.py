@@ -1,4 +1,4 @@
-"""Coverage of automatic nesting (nefl_zoo.nest): one model per timm module and sub-family, and
+"""Coverage of automatic nesting (nefl_zoo.nesting): one model per timm module and sub-family, and
 every torchvision classifier, each up to 100M parameters.
 
 For each model: the nesting plan (fx trace + channel analysis, meta device), the parameter
@@ -60,7 +60,7 @@ def model_list(cache: Path) -> list[dict]:
     import torchvision
 
     def params(make) -> int | None:
-        from nefl_zoo.nest.sources import Source, construct
+        from nefl_zoo.nesting.sources import Source, construct
 
         try:  # parameters on the meta device, also for constructors that size layers with tensors (RegNet)
             with torch.device("meta"):
@@ -106,9 +106,9 @@ def onnx_difference(tier: torch.nn.Module, x: torch.Tensor) -> float:
 
 def run_one(entry: dict) -> dict:
     from nefl_zoo.models import count_params, create_model
-    from nefl_zoo.nest.plan import _PLANS
-    from nefl_zoo.nest.sources import NestError
-    from nefl_zoo.nest.verify import randomise_zeros, zeroed_parity
+    from nefl_zoo.nesting.plan import _PLANS
+    from nefl_zoo.nesting.sources import NestError
+    from nefl_zoo.nesting.verify import randomise_zeros, zeroed_parity
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
 
@@ -157,8 +157,8 @@ def run_one(entry: dict) -> dict:
 def input_size(name: str) -> int:
     """The size a network is analysed and checked at: its own (timm's default configuration,
     a fixed size), 224 for torchvision's."""
-    from nefl_zoo.nest.plan import _fixed_size
-    from nefl_zoo.nest.sources import construct, library_source
+    from nefl_zoo.nesting.plan import _fixed_size
+    from nefl_zoo.nesting.sources import construct, library_source
 
     source = library_source(name, 10, 3)
     with torch.device("meta"):
@@ -170,7 +170,7 @@ def input_size(name: str) -> int:
 def original_export_error(name: str, args: dict, x: torch.Tensor) -> str:
     """Why a tier's ONNX export failed: the library's own (un-nested) model fails the same way,
     or only the tier does (a nesting bug: raised)."""
-    from nefl_zoo.nest.sources import library_source
+    from nefl_zoo.nesting.sources import library_source
 
     original = library_source(name, args["num_classes"], 3).make().eval()
     try:

@@ -3,7 +3,7 @@ standard ONNX file per precision, ``nested.PREC.onnx``, holding every tier behin
 ``tier`` input) costs and saves against one self-contained file per tier, and what the adaptive
 runtime does under changing CPU load.
 
-Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--sources`` run single ones):
+Five parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--sources``, ``--mobile`` run single ones):
 
 1. **Bytes.** The demo run (``runs/demo``; skipped with a note when absent, never trained
    here), ``resnet56/nefl-wd-aligned``, ``mobilenet_v2/nefl-wd``, one automatically nested
@@ -52,12 +52,19 @@ Four parts (all by default; ``--bytes``, ``--tiers``, ``--adaptive``, ``--source
    Python and Node, session creation, the first run after a switch, resident memory), the
    latency rounds sized so that each batch takes about 40 s per source. Acceptance for parts 2
    and 4: every tier's nested latency <= 1.10x its own file's, at batch 1 and 32.
+5. **Mobile format and low-memory mode** (the demo run when present and the four sources of
+   part 4): the nested model in onnxruntime's ORT format (``nefl-zoo convert-ort``, compact and
+   folded) against each tier's own ``.ort`` file (bytes, latency), and ``TierRuntime(...,
+   low_memory=True)`` against the default (latency per tier, resident memory against one
+   full-tier session, also in Node); see ``benchmarks/nested_mobile.py``. Acceptance: compact
+   ``.ort`` <= 1.3x the full tier's own ``.ort`` and each tier within 1.15x its own ``.ort`` at
+   batch 1 and 32.
 
 Everything runs with one onnxruntime thread (2 shared cores; see docs/benchmarks/nested.md). The
 results go to ``--json`` (default ``benchmarks/results/nested.json``) as well as stdout
 (markdown tables; ``--out`` writes them to a file too).
 
-    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--sources] [--quick] [--out FILE] [--json FILE]
+    .venv/bin/python benchmarks/bench_nested.py [--bytes] [--tiers] [--adaptive] [--sources] [--mobile] [--quick] [--out FILE] [--json FILE]
         [--phase-seconds 15] [--streams 1,128] [--order static,adaptive,adaptive,static] [--deadline-factor 1.25]
         [--percentile P] [--window N] [--headroom H] [--probe-after S] [--max-backoff B] [--recent N] [--min-speedup R]
 """
@@ -103,7 +110,7 @@ VIT_MODEL = {"model": "vit_tiny_16", "model_args": {"num_classes": 10, "img_size
 PRECISIONS = ("fp32", "int8", "fp16")
 TIER_PRECISIONS = ("fp32", "int8")  # parts 2 and 3
 FORMATS = ("files", "nested")
-PARTS = ("bytes", "tiers", "adaptive", "sources")  # parts 1-4, in the order they run
+PARTS = ("bytes", "tiers", "adaptive", "sources", "mobile")  # parts 1-5, in the order they run
 CALIBRATION_IMAGES = 64  # random-normal images (seed 0) for the spec sources' INT8
 BYTES_TARGET = {"fp32": 1.10, "int8": 1.25}  # nested file <= this x the full tier's own file
 MEMORY_TARGET = 1.3  # one nested session serving every tier <= this x one full-tier session
@@ -742,6 +749,30 @@ def sources_markdown(result: dict) -> tuple[str, list[str]]:
     return "\n\n".join(texts), verdicts
 
 
+def bench_mobile(exports: Exports, quick: bool) -> dict:
+    """Part 5 (``nested_mobile.py``) on the demo run when present and the sources of part 4."""
+    from nested_mobile import mobile
+
+    keys = (["demo"] if DEMO.is_dir() else []) + list(SPEC_SOURCES[:1] if quick else SPEC_SOURCES) + ["timm", "vit"]
+    sources = []
+    for key in keys:
+        name, exp = exports.get(key)
+        with tempfile.TemporaryDirectory() as tmp:
+            sources.append({"key": key, "source": name, **mobile(exp, nested_entries(exp), Path(tmp), WEB, 5.0 if quick else 30.0)})
+    return {"sources": sources, "quick": quick}
+
+
+def mobile_markdown(result: dict) -> tuple[str, list[str]]:
+    from nested_mobile import mobile_markdown as source_markdown
+
+    texts, verdicts = [], []
+    for src in result["sources"]:
+        text, v = source_markdown(src)
+        texts.append(text)
+        verdicts += v
+    return "\n\n".join(texts), verdicts
+
+
 # ---------------------------------------------------------------- part 3: adaptive vs static
 
 
@@ -1045,6 +1076,7 @@ def main() -> None:
     parser.add_argument("--tiers", action="store_true", help="part 2: per-tier agreement, latency, sessions, memory")
     parser.add_argument("--sources", action="store_true", help="part 4: part 2's latency, sessions and memory on the other sources")
     parser.add_argument("--adaptive", action="store_true", help="part 3: adaptive vs static under changing load")
+    parser.add_argument("--mobile", action="store_true", help="part 5: the ORT format and the low-memory mode")
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds, 2 s phases, no mobilenet_v2")
     parser.add_argument("--phase-seconds", type=float, default=15.0, help="part 3: seconds per phase")
     parser.add_argument("--streams", type=lambda v: [int(b) for b in v.split(",")], default=[b for b, _ in STREAMS],
@@ -1086,6 +1118,10 @@ def main() -> None:
                 result = bench_sources(exports, args.quick)
                 text, v = sources_markdown(result)
                 title = "The other sources: latency, sessions and memory"
+            elif part == "mobile":
+                result = bench_mobile(exports, args.quick)
+                text, v = mobile_markdown(result)
+                title = "The ORT format and the low-memory mode"
             else:
                 result = bench_adaptive(exports, args)
                 text, v = adaptive_markdown(result)

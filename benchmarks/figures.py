@@ -1,8 +1,8 @@
 """The figure of every benchmark, drawn from its results JSON alone (:mod:`publish` saves it).
 
 ``FIGURES[NAME](results) -> matplotlib Figure``. Most results are the tables a script printed,
-as printed (``runs[*].tables``: columns and rows of cells); :func:`publish.find_table` picks the
-latest table by words of its title or columns and :func:`publish.number` reads a cell. clock,
+as printed (``runs[*].tables``: columns and rows of cells); :func:`markdown_tables.find_table` picks the
+latest table by words of its title or columns and :func:`markdown_tables.number` reads a cell. clock,
 robust, secagg and nested write structured JSON of their own.
 """
 
@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from publish import column, find_table, number, tables  # noqa: E402
+from markdown_tables import column, find_table, number, tables  # noqa: E402
 
 
 def _figure(panels: int, width: float = 5.0, height: float = 3.6):

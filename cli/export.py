@@ -1,4 +1,4 @@
-"""``export``, ``select``, ``predict`` and ``bench-tiers``: ONNX tiers and their runtime."""
+"""``export``, ``convert-ort``, ``select``, ``predict`` and ``bench-tiers``: ONNX tiers and their runtime."""
 
 from __future__ import annotations
 
@@ -29,6 +29,20 @@ class ExportFormat(str, Enum):
 
     nested = "nested"
     files = "files"
+
+
+class OrtStyle(str, Enum):
+    """How convert-ort writes a nested model (nefl_zoo.export.mobile.STYLES)."""
+
+    compact = "compact"
+    folded = "folded"
+
+
+class TargetPlatform(str, Enum):
+    """The CPU an .ort file is optimized for (nefl_zoo.export.mobile.TARGET_PLATFORMS)."""
+
+    arm = "arm"
+    amd64 = "amd64"
 
 
 class PadChannels(str, Enum):
@@ -94,7 +108,12 @@ def export(
     pad_channels: PadChannels = typer.Option(
         PadChannels.auto,
         help="ResNets: zero-pad inner channels to a multiple of N (same outputs, faster odd widths); "
-        "auto: export each tier plain and padded to the CPU kernels' block, keep the faster",
+        "auto: export each tier plain and padded to the CPU kernels' block, keep the faster, and record the choice "
+        "in manifest.json: exporting into the same --out again reuses it (the same files)",
+    ),
+    pad_channels_from: Optional[Path] = typer.Option(
+        None, help="with --pad-channels auto: reuse the choices recorded in this export (folder or manifest.json) "
+        "instead of --out's",
     ),
     as_json: bool = json_option(),
 ) -> None:
@@ -106,6 +125,8 @@ def export(
     require_positive(batch=batch, latency_runs=latency_runs, threads=threads, calibration_images=calibration_images)
     if out.exists() and not out.is_dir():
         raise fail(f"--out: {out} is a file; export writes a folder (tier files and manifest.json)")
+    if pad_channels_from is not None and not pad_channels_from.exists():
+        raise fail(f"--pad-channels-from: {pad_channels_from} does not exist (an export folder or its manifest.json)")
     names = [t.strip() for t in tiers.split(",") if t.strip()] if tiers else None
     warnings: list[str] = []
 
@@ -124,6 +145,7 @@ def export(
                 channel_align="auto" if pad_channels is PadChannels.auto else int(pad_channels.value),
                 precisions=precision, calibration=images, calibration_source=str(calibration),
                 calibration_images=calibration_images, warn=warn, format=export_format.value,
+                alignments_from=pad_channels_from,
             )
         except ExportError as exc:
             typer.echo(f"error: {exc}", err=True)
@@ -153,6 +175,47 @@ def export(
             typer.echo(f"nested {entries[0].precision}: {file}, {size:,} bytes for {len(entries)} tiers "
                        f"({size / (full.weights_mb * 2**20):.3f}x the full tier's own file); choose one with its int64 input 'tier'")
     typer.echo(f"wrote {out / 'manifest.json'}")
+
+
+def convert_ort(
+    export_dir: Path = typer.Argument(..., metavar="EXPORT", help="a nested export's folder or its manifest.json"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="folder for the .ort files (default: the export's)"),
+    style: OrtStyle = typer.Option(
+        OrtStyle.compact, help="compact: the shared weights once, each tier's cut out of them at every request (about the "
+        ".onnx file's bytes and memory, slower requests); folded: every tier's weights folded in (as fast as each tier's "
+        "own .ort file, about the bytes of every tier together)",
+    ),
+    target_platform: TargetPlatform = typer.Option(
+        TargetPlatform.arm, help="arm: runs on any CPU (onnxruntime's converter's default); amd64: x86 only, with its "
+        "NCHWc layout",
+    ),
+    threads: Optional[int] = typer.Option(None, help="onnxruntime threads for the check (default: per core)"),
+    as_json: bool = json_option(),
+) -> None:
+    """Write each nested model of an export in onnxruntime's ORT format (its mobile and minimal builds), every tier
+    checked against the .onnx file, and required_operators.config for a reduced build."""
+    from nefl_zoo.export import ExportError
+    from nefl_zoo.export.mobile import CONFIG_NAME, convert_to_ort
+    from nefl_zoo.manifest import ManifestError
+
+    require_positive(threads=threads)
+    if out is not None and out.exists() and not out.is_dir():
+        raise fail(f"--out: {out} is a file; convert-ort writes a folder (.ort files and {CONFIG_NAME})")
+    with user_errors(ManifestError), stdout_to_stderr(as_json):
+        try:
+            made = convert_to_ort(export_dir, out, style.value, target_platform.value, threads)
+        except ExportError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    folder = out or (export_dir if export_dir.is_dir() else export_dir.parent)
+    if as_json:
+        print_json({"folder": str(folder), "style": style.value, "target_platform": target_platform.value,
+                    "files": [vars(f) for f in made], "config": CONFIG_NAME})
+        return
+    for f in made:
+        typer.echo(f"{f.file}: {f.bytes:,} bytes ({f.bytes / f.source_bytes:.3f}x {f.source}), every tier's logits "
+                   f"within {f.max_abs_diff:.2g} of {f.source}'s")
+    typer.echo(f"wrote {len(made)} .ort files ({style.value}, {target_platform.value}) and {CONFIG_NAME} to {folder}")
 
 
 def _calibration_images(folder: Path, shape, dataset: str | None):
@@ -224,6 +287,10 @@ def predict(
         None, help="the precision of the file to run (default: FP32, or the tier's only file; with auto, chosen among)"
     ),
     top_k: int = typer.Option(5, help="classes printed per image"),
+    low_memory: bool = typer.Option(
+        False, "--low-memory", help="nested models: one copy of the shared weights per session, each tier's cut out of "
+        "them at every run (less memory, slower runs)",
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Classify images with one tier and print the top-k classes."""
@@ -235,7 +302,7 @@ def predict(
 
     require_positive(top_k=top_k)
     with user_errors(ManifestError, NoTierFits):
-        runtime = TierRuntime(manifest)
+        runtime = TierRuntime(manifest, low_memory=low_memory)
         if tier == "auto" and precision is not None:
             runtime.select(precisions=[precision.value])
         label = runtime.resolve(tier, precision.value if precision is not None and tier != "auto" else None)
@@ -272,6 +339,10 @@ def bench_tiers(
     precision: Optional[str] = typer.Option(
         None, "--precision", click_type=PRECISION_LIST, help="comma-separated precisions to measure (default: all)"
     ),
+    low_memory: bool = typer.Option(
+        False, "--low-memory", help="nested models: one copy of the shared weights per session, each tier's cut out of "
+        "them at every run (less memory, slower runs)",
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Measure every tier's onnxruntime latency on this machine, at every precision."""
@@ -280,7 +351,7 @@ def bench_tiers(
 
     require_positive(batch=batch, runs=runs, threads=threads)
     with user_errors(ManifestError):
-        runtime = TierRuntime(manifest, threads=threads)
+        runtime = TierRuntime(manifest, threads=threads, low_memory=low_memory)
         entries = runtime.entries(precision or None)
         labels = [t.label for t in entries]
         runtime.check_memory(batch, labels)  # every file, before measuring any
@@ -300,7 +371,7 @@ def bench_tiers(
     ]
     if as_json:
         print_json({
-            "model": runtime.manifest.model, "batch": batch, "runs": runs, "threads": threads,
+            "model": runtime.manifest.model, "batch": batch, "runs": runs, "threads": threads, "low_memory": low_memory,
             "reference": largest.label, "tiers": rows,
         })
         return
@@ -310,7 +381,7 @@ def bench_tiers(
         "tier", "precision", "gamma", "MACs", "MACs ratio", "file MB", "memory MB", "latency ms", "latency ratio",
         "vs FP32", "at export",
         title=f"{runtime.manifest.model}, batch {batch}: median of {runs} runs, "
-        f"{threads or 'default'} onnxruntime threads",
+        f"{threads or 'default'} onnxruntime threads" + (", low-memory sessions" if low_memory else ""),
         caption=f"ratios against {largest.label}; vs FP32: against the tier's FP32 file; memory: weights + "
         f"activations x batch; at export: ms at batch {largest.latency.batch} on {largest.latency.machine.processor}",
     )
@@ -327,4 +398,5 @@ def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
     for command in (export, select, predict):
         app.command()(guarded(command))
+    app.command("convert-ort")(guarded(convert_ort))
     app.command("bench-tiers")(guarded(bench_tiers))

@@ -120,59 +120,20 @@ def build(
     as_json: bool = json_option(),
 ) -> None:
     """Build a physically slimmed submodel and say what it is."""
-    from nefl_zoo.spec import SpecError, SubmodelSpec, load_spec, resolve_spec_path
+    from nefl_zoo.spec import SpecError, SubmodelSpec
 
-    if gamma is not None and latency_ms is not None:
-        raise fail("--latency-ms: give --gamma or --latency-ms, not both")
-    if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms > 0):
-        raise fail(f"--latency-ms: must be a finite number > 0, got {latency_ms:g}")
-    gamma = 1.0 if gamma is None else gamma
-    if not 0 < gamma <= 1:
-        raise fail(f"--gamma: must be in (0, 1], got {gamma:g}")
+    gamma = _checked_gamma(gamma, latency_ms)
     require_positive(channel_multiple=channel_multiple, batch=batch, threads=threads)
-    measured = None
     if out is not None:
         _check_out(out)
-    note = ""
+    measured, note = None, ""
     with user_errors(SpecError), stdout_to_stderr(as_json):  # an exporter's progress lines (--latency-ms)
         if spec is not None:
             if latency_ms is not None:
                 raise fail("--latency-ms: builds a tier of a MODEL, not one of --spec")
-            sub = load_spec(resolve_spec_path(spec))
-            if model is not None and model != sub.model:
-                raise fail(f"{spec}: model: spec is for {sub.model}, not {model}")
-            if tier is None:
-                if len(sub.tiers) != 1:
-                    raise fail(f"{spec}: tiers: give --tier, one of {', '.join(t.name for t in sub.tiers)}")
-                tier = sub.tiers[0].name
-            chosen = sub.tier(tier)
+            sub, chosen = _spec_tier(spec, model, tier)
         else:
-            if model is None:
-                raise fail("give a MODEL or --spec FILE (see `nefl-zoo models`)")
-            from nefl_zoo.auto import auto_tier
-            from nefl_zoo.models import is_model, list_models
-
-            if not is_model(model):
-                raise fail(f"model: unknown model {model!r}; one of {', '.join(list_models())}")
-            if latency_ms is not None:
-                from nefl_zoo.auto import latency_tier
-
-                try:
-                    measured = latency_tier(model, latency_ms, batch, threads, mode.value, channel_multiple)
-                except ValueError as exc:
-                    raise fail(f"--latency-ms: {exc}") from None
-                chosen = measured.tier
-            else:
-                try:
-                    found = auto_tier(model, gamma, mode.value, channel_multiple=channel_multiple)
-                except ValueError as exc:
-                    from nefl_zoo.nest.sources import NestError
-
-                    if isinstance(exc, NestError):  # torchvision:/timm: networks that cannot be nested
-                        raise fail(f"model: {model}: {exc}") from None
-                    raise fail(f"--gamma: {str(exc).removeprefix('gamma ')}") from None
-                note = found.note
-                chosen = found.tier
+            chosen, note, measured = _model_tier(model, gamma, mode, channel_multiple, latency_ms, batch, threads)
             sub = SubmodelSpec(model=model, tiers=[chosen])
         report, slim = _build_report(sub, chosen.name, pretrained, weights=out is not None or pretrained is not None)
         if out is not None:
@@ -183,15 +144,7 @@ def build(
     if as_json:
         print_json(report | ({"note": note} if note else {}))
         return
-    blocks = "/".join(map(str, report["blocks_per_stage"]))
-    typer.echo(
-        f"{report['model']} tier {report['tier']}: {report['params']:,} params "
-        f"({report['params_ratio']:.3f} of full), {report['macs'] / 1e6:,.1f}M MACs "
-        f"({report['macs_ratio']:.3f}), gamma_w={report['gamma_w']:g}"
-        + (f", channels a multiple of {report['channel_multiple']}" if report["channel_multiple"] > 1 else "")
-        + f", blocks per stage {blocks}"
-        + (f", written to {out}" if out else "")
-    )
+    typer.echo(_build_line(report, out))
     if measured is not None:
         typer.echo(
             f"onnxruntime latency here: {measured.latency_ms:.3f} ms at batch {batch}, {threads} thread(s) "
@@ -200,6 +153,74 @@ def build(
         )
     if note:
         typer.echo(f"note: {note}", err=True)
+
+
+def _checked_gamma(gamma: float | None, latency_ms: float | None) -> float:
+    """``--gamma`` (default 1), refused with ``--latency-ms`` or outside (0, 1]; ``--latency-ms``
+    refused unless finite and positive."""
+    if gamma is not None and latency_ms is not None:
+        raise fail("--latency-ms: give --gamma or --latency-ms, not both")
+    if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms > 0):
+        raise fail(f"--latency-ms: must be a finite number > 0, got {latency_ms:g}")
+    gamma = 1.0 if gamma is None else gamma
+    if not 0 < gamma <= 1:
+        raise fail(f"--gamma: must be in (0, 1], got {gamma:g}")
+    return gamma
+
+
+def _spec_tier(spec: Path, model: str | None, tier: str | None):
+    """The spec of ``--spec`` and its tier ``--tier`` (needed when it has several)."""
+    from nefl_zoo.spec import load_spec, resolve_spec_path
+
+    sub = load_spec(resolve_spec_path(spec))
+    if model is not None and model != sub.model:
+        raise fail(f"{spec}: model: spec is for {sub.model}, not {model}")
+    if tier is None:
+        if len(sub.tiers) != 1:
+            raise fail(f"{spec}: tiers: give --tier, one of {', '.join(t.name for t in sub.tiers)}")
+        tier = sub.tiers[0].name
+    return sub, sub.tier(tier)
+
+
+def _model_tier(model: str | None, gamma: float, mode: Mode, channel_multiple: int | None, latency_ms: float | None,
+                batch: int, threads: int):
+    """The tier of MODEL found for ``gamma`` (or measured for ``latency_ms``): ``(tier, note,
+    measured)``, ``measured`` the latency search's result or ``None``."""
+    if model is None:
+        raise fail("give a MODEL or --spec FILE (see `nefl-zoo models`)")
+    from nefl_zoo.auto import auto_tier
+    from nefl_zoo.models import NestError, is_model, list_models
+
+    if not is_model(model):
+        raise fail(f"model: unknown model {model!r}; one of {', '.join(list_models())}")
+    if latency_ms is not None:
+        from nefl_zoo.auto import latency_tier
+
+        try:
+            measured = latency_tier(model, latency_ms, batch, threads, mode.value, channel_multiple)
+        except ValueError as exc:
+            raise fail(f"--latency-ms: {exc}") from None
+        return measured.tier, "", measured
+    try:
+        found = auto_tier(model, gamma, mode.value, channel_multiple=channel_multiple)
+    except NestError as exc:  # torchvision:/timm: networks that cannot be nested
+        raise fail(f"model: {model}: {exc}") from None
+    except ValueError as exc:
+        raise fail(f"--gamma: {str(exc).removeprefix('gamma ')}") from None
+    return found.tier, found.note, None
+
+
+def _build_line(report: dict, out: Path | None) -> str:
+    """The one line ``build`` prints about its tier."""
+    blocks = "/".join(map(str, report["blocks_per_stage"]))
+    return (
+        f"{report['model']} tier {report['tier']}: {report['params']:,} params "
+        f"({report['params_ratio']:.3f} of full), {report['macs'] / 1e6:,.1f}M MACs "
+        f"({report['macs_ratio']:.3f}), gamma_w={report['gamma_w']:g}"
+        + (f", channels a multiple of {report['channel_multiple']}" if report["channel_multiple"] > 1 else "")
+        + f", blocks per stage {blocks}"
+        + (f", written to {out}" if out else "")
+    )
 
 
 def _build_report(spec, tier: str, pretrained: str | None, weights: bool) -> tuple[dict, "object"]:

@@ -1,32 +1,39 @@
 """nefl-zoo: nested federated learning and physically slimmed submodel extraction.
 
-Attributes are imported lazily so that ``import nefl_zoo`` (and ``nefl_zoo.runtime``, which
-needs only numpy and onnxruntime) does not import torch.
+``import nefl_zoo as nz`` gives the everyday names: build models (``nz.create_model``,
+``nz.nest``), write and compile specs (``nz.parse_spec``, ``nz.load_spec``,
+``nz.compile_spec``), find a tier (``nz.auto_tier``) and move weights between a tier and the
+global model (``nz.extract``, ``nz.scatter_``). Training is in :mod:`nefl_zoo.fl`, export in
+:mod:`nefl_zoo.export` and the torch-free runtime in :mod:`nefl_zoo.runtime`.
 
-``nefl_zoo.nest`` is the function :func:`nefl_zoo.nest.nest` (as the README writes it,
-``nz.nest(module, example_input)``), even once the subpackage of that name is imported: the
-subpackage is reached by importing from it (``from nefl_zoo.nest import NestError``).
+The names are imported when first used, so ``import nefl_zoo`` does not import torch.
 
-This is where the layers are assembled: a layer that serves a higher one is told here which
-loader brings it in (:mod:`nefl_zoo.plugins`), instead of importing it by name. The model
-registry's ``torchvision:`` and ``timm:`` sources are :mod:`nefl_zoo.nest`'s, loaded the first
-time a name of that form is looked up.
+Examples:
+    >>> import nefl_zoo as nz
+    >>> spec = nz.parse_spec({"model": "resnet20", "tiers": [
+    ...     {"name": "small", "gamma_w": 0.25}, {"name": "full"}]})
+    >>> compiled = nz.compile_spec(spec)
+    >>> small = compiled["small"].load(compiled.init_global_state())
+    >>> sum(p.numel() for p in small.parameters())
+    68795
 """
+
+# This is where the layers are assembled: a layer that serves a higher one is told here which
+# loader brings it in (:mod:`nefl_zoo.plugins`), instead of importing it by name. The model
+# registry's ``torchvision:`` and ``timm:`` sources are :mod:`nefl_zoo.nesting`'s, loaded the
+# first time a name of that form is looked up.
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 from . import plugins
-
-__version__ = "0.2.0"  # the package's version (pyproject.toml reads it from here)
+from .version import __version__ as __version__
 
 
 def _load_nest_sources() -> None:
-    """Import :mod:`nefl_zoo.nest`, which registers the ``torchvision`` and ``timm`` model sources."""
-    import nefl_zoo.nest  # noqa: F401
+    """Import :mod:`nefl_zoo.nesting`, which registers the ``torchvision`` and ``timm`` model sources."""
+    import nefl_zoo.nesting  # noqa: F401
 
 
 plugins.declare(plugins.MODEL_SOURCES, _load_nest_sources)
@@ -46,8 +53,8 @@ _EXPORTS = {
     "extract": "nefl_zoo.slim",
     "scatter_": "nefl_zoo.slim",
     "auto_tier": "nefl_zoo.auto",
-    "nest": "nefl_zoo.nest",
-    "NestError": "nefl_zoo.nest",
+    "nest": "nefl_zoo.nesting",
+    "NestError": "nefl_zoo.nesting",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -58,14 +65,3 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'nefl_zoo' has no attribute {name!r}")
 
-
-class _Package(types.ModuleType):
-    """This package's module type: the import system's setting of a subpackage that shares an
-    exported name (``nest``) as an attribute is ignored, so the name stays the export."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if not (name in _EXPORTS and isinstance(value, types.ModuleType)):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -22,7 +22,19 @@ ALIGNED_TOLERANCE = 0.02  # relative, with channel_multiple > 1 (widths move in 
 
 
 def tolerance_for(channel_multiple: int) -> float:
-    """Relative tolerance of a tier's parameter ratio: 1%, or 2% with aligned widths."""
+    """Relative tolerance of a tier's parameter ratio: 1%, or 2% with aligned widths.
+
+    Args:
+        channel_multiple: the multiple widths are rounded to (1: the paper's widths).
+
+    Returns:
+        The tolerance, as a fraction of the target ratio.
+
+    Examples:
+        >>> from nefl_zoo.auto import tolerance_for
+        >>> tolerance_for(1), tolerance_for(8)
+        (0.01, 0.02)
+    """
     return TOLERANCE if channel_multiple == 1 else ALIGNED_TOLERANCE
 MIN_BALANCED_GAMMA = 0.005**2  # below it, balanced mode's width ratio round(sqrt(gamma), 2) is 0
 
@@ -30,7 +42,14 @@ MIN_BALANCED_GAMMA = 0.005**2  # below it, balanced mode's width ratio round(sqr
 @dataclass
 class AutoTier:
     """The chosen tier, its measured parameter ratio and whether it is within tolerance of the
-    target (1%, or 2% with aligned widths)."""
+    target (1%, or 2% with aligned widths). What :func:`auto_tier` returns.
+
+    Attributes:
+        tier: the tier, ready for a spec's ``tiers`` list.
+        params_ratio: its parameters over the full model's, as measured.
+        within_tolerance: whether ``params_ratio`` is within tolerance of the target.
+        note: why not, when it is not (empty otherwise).
+    """
 
     tier: TierSpec
     params_ratio: float
@@ -125,6 +144,29 @@ def auto_tier(
     to a multiple of it (:func:`~nefl_zoo.models.base.scale_width`); the tolerance is then 2%.
     ``None``: the model's own rule (1, or 8 for the mobile families). Blocks the model cannot
     skip (:meth:`~nefl_zoo.models.NestedNet.fixed_blocks`) are always kept.
+
+    Args:
+        model: a registered model name (``resnet20``, ``torchvision:resnet18``, ...).
+        gamma: the target parameter ratio, in (0, 1].
+        mode: ``balanced``, ``width`` or ``depth``.
+        name: the tier's name (default ``g{gamma}``).
+        channel_multiple: round every width to a multiple of this (default: the model's rule).
+        **model_args: ``create_model`` arguments of the model (``num_classes``, ...).
+
+    Returns:
+        The tier, its measured parameter ratio, and whether that is within tolerance.
+
+    Raises:
+        ValueError: ``gamma`` outside (0, 1], an unknown ``mode``, a ``channel_multiple``
+            below 1, or a ``gamma`` too small for balanced mode.
+
+    Examples:
+        >>> import nefl_zoo as nz
+        >>> found = nz.auto_tier("resnet20", 0.5, num_classes=10)
+        >>> found.tier.gamma_w, found.tier.steps
+        (0.71, [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+        >>> round(found.params_ratio, 3), found.within_tolerance
+        (0.497, True)
     """
     default_multiple = default_channel_multiple(model)
     channel_multiple = default_multiple if channel_multiple is None else channel_multiple
@@ -168,7 +210,15 @@ def auto_tier(
 @dataclass
 class LatencyTier:
     """The largest tier found within a latency budget, with its measured latency and every
-    candidate measured on the way (``(gamma, params ratio, ms)``)."""
+    candidate measured on the way. What :func:`latency_tier` returns.
+
+    Attributes:
+        tier: the tier, ready for a spec's ``tiers`` list.
+        params_ratio: its parameters over the full model's.
+        latency_ms: its measured onnxruntime latency.
+        budget_ms: the budget it was found for.
+        candidates: every candidate measured, as ``(gamma, params ratio, ms)``.
+    """
 
     tier: TierSpec
     params_ratio: float
@@ -194,8 +244,24 @@ def latency_tier(
     exported as ``nefl-zoo export`` would (BatchNorm folded) and timed (median of ``runs``,
     :func:`~nefl_zoo.export.onnx_file.onnx_latency_ms`). The full model is tried first, then a
     bisection over ``gamma`` between the smallest candidate (0.02) and 1, which assumes that
-    latency grows with ``gamma`` (aligned widths make it so). ``ValueError`` when even the
-    smallest candidate misses the budget.
+    latency grows with ``gamma`` (aligned widths make it so).
+
+    Args:
+        model: a registered model name.
+        budget_ms: the latency budget in milliseconds.
+        batch: the batch the latency is measured at.
+        threads: onnxruntime intra-op threads (``None``: one per core).
+        mode: how candidates are made smaller, as in :func:`auto_tier`.
+        channel_multiple: round every width to a multiple of this (default: the model's rule).
+        runs: timed runs per candidate (the median counts).
+        **model_args: ``create_model`` arguments of the model.
+
+    Returns:
+        The largest tier within the budget, its latency and every candidate measured.
+
+    Raises:
+        ValueError: a budget that is not positive, or one that even the smallest candidate
+            misses.
     """
     from .export.onnx_file import onnx_latency_ms
     from .slim import compile_spec

@@ -4,46 +4,10 @@ Shared by the exporter (:mod:`nefl_zoo.export`, torch side) and the runtime
 (:mod:`nefl_zoo.runtime`); it imports only pydantic (and :mod:`nefl_zoo.userfiles`)
 and the standard library, so the runtime stays importable without torch.
 
-Schema version 5 (every field required unless marked nullable or defaulted; every number
-finite); versions 4 (before declared file sizes), 3, 2 (before nested packages) and 1 (before
-precisions, every entry FP32) are read as well, except version 3's nested packages, which are
-refused (re-export)::
-
-    schema_version   5 (1, 2, 3 and 4 are still read)
-    format           "files" (default: one self-contained .onnx file per entry) or "nested"
-                     (one standard .onnx file per precision holding every tier, chosen by its
-                     int64 ``tier`` input; see nefl_zoo.runtime.nested)
-    model            zoo model name; model_args: its create_model kwargs
-    source           what was exported (spec file or run directory)
-    created_by       "nefl-zoo VERSION"
-    opset            ONNX opset of every file
-    input            name, shape [C, H, W], dtype "float32", layout "NCHW",
-                     batch (null = dynamic batch dimension, else the fixed batch size),
-                     normalization {mean, std} per channel (nullable: raw [0, 1] pixels),
-                     dataset (nullable)
-    output           name, num_classes
-    class_names      list (nullable)
-    tiers[]          one entry per (tier, precision): name, precision ("fp32", "int8" or
-                     "fp16"; default fp32), file (relative to the manifest; nested: the
-                     nested model of its precision, shared by its entries), sha256, index
-                     (nested only: the entry's ``tier`` input value, 0 .. T-1 per file),
-                     bytes (the file's size, compared with the file before it is read;
-                     required from version 5),
-                     params, params_ratio, macs, macs_ratio, gamma (nullable, nominal),
-                     gamma_w, blocks_per_stage, accuracy (nullable), accuracy_on
-                     (nullable: what accuracy was measured on; null = the source run's
-                     recorded test accuracy),
-                     batchnorm_folded, channel_align (inner channels zero-padded to a
-                     multiple of it; 1 = none), channel_align_ms (nullable: with
-                     --pad-channels auto, the median ms of each alignment tried),
-                     max_abs_diff (FP32: onnxruntime vs PyTorch; else vs the FP32 file),
-                     vs_fp32 (nullable; INT8/FP16: {images, top1_agreement,
-                     max_abs_diff, relative_error} against the tier's FP32 file),
-                     calibration (nullable; INT8: {method, images, source}),
-                     weights_mb (the tier's own self-contained model's bytes / 2**20), activation_mb_per_sample,
-                     latency {median_ms, batch, runs, threads (nullable: onnxruntime's
-                     default, one per physical core), machine {processor, platform,
-                     cpu_count, onnxruntime, provider}}
+Schema version 5: :class:`Manifest` and the models it nests, every field required unless
+nullable or defaulted, every number finite. Versions 4 (before declared file sizes), 3, 2
+(before nested packages) and 1 (before precisions, every entry FP32) are read as well, except
+version 3's nested packages, which are refused (re-export).
 
 A manifest is also checked for consistency when it is read: ``class_names`` has
 ``output.num_classes`` names, ``normalization`` one mean and one positive std per input
@@ -90,7 +54,7 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 class Normalization(_Strict):
     """Per-channel ``(x - mean) / std`` applied to pixels scaled to [0, 1]."""
 
-    mean: list[float] = Field(min_length=1)
+    mean: list[float] = Field(min_length=1, description="per channel")
     std: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="per channel, > 0")
 
     @model_validator(mode="after")
@@ -103,13 +67,13 @@ class Normalization(_Strict):
 class InputSpec(_Strict):
     """The model input: one batch of images."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the ONNX input's name")
     shape: list[Positive] = Field(min_length=3, max_length=3, description="[C, H, W]")
-    dtype: Literal["float32"] = "float32"
-    layout: Literal["NCHW"] = "NCHW"
+    dtype: Literal["float32"] = Field("float32", description="always float32")
+    layout: Literal["NCHW"] = Field("NCHW", description="always NCHW")
     batch: Positive | None = Field(description="null: dynamic batch dimension; else the fixed batch size")
-    normalization: Normalization | None
-    dataset: str | None
+    normalization: Normalization | None = Field(description="null: raw [0, 1] pixels")
+    dataset: str | None = Field(description="the dataset trained on, when known")
 
     @model_validator(mode="after")
     def _normalization_per_channel(self) -> "InputSpec":
@@ -124,34 +88,34 @@ class InputSpec(_Strict):
 class OutputSpec(_Strict):
     """The model output: logits of shape [batch, num_classes]."""
 
-    name: str = Field(min_length=1)
-    num_classes: Positive
+    name: str = Field(min_length=1, description="the ONNX output's name")
+    num_classes: Positive = Field(description="logits per image")
 
 
 class Machine(_Strict):
     """Where a latency was measured."""
 
-    processor: str
-    platform: str
-    cpu_count: Positive
-    onnxruntime: str
-    provider: str
+    processor: str = Field(description="the CPU")
+    platform: str = Field(description="the operating system")
+    cpu_count: Positive = Field(description="logical CPUs")
+    onnxruntime: str = Field(description="onnxruntime's version")
+    provider: str = Field(description="the execution provider that ran the model")
 
 
 class Latency(_Strict):
     """Median wall time of one ``session.run`` on a batch of ``batch`` inputs."""
 
-    median_ms: NonNegative
-    batch: Positive
-    runs: Positive
+    median_ms: NonNegative = Field(description="the median, in milliseconds")
+    batch: Positive = Field(description="the batch it was measured at")
+    runs: Positive = Field(description="timed runs")
     threads: Positive | None = Field(description="onnxruntime intra-op threads; null: its default")
-    machine: Machine
+    machine: Machine = Field(description="where it was measured")
 
 
 class Agreement(_Strict):
     """How an INT8/FP16 file's logits agree with its tier's FP32 file on verification images."""
 
-    images: Positive
+    images: Positive = Field(description="verification images compared")
     top1_agreement: Fraction = Field(description="share of images given the FP32 file's top-1 class")
     max_abs_diff: NonNegative = Field(description="largest |logit difference|")
     relative_error: NonNegative = Field(description="max_abs_diff / max(1, max |FP32 logit|)")
@@ -160,49 +124,49 @@ class Agreement(_Strict):
 class Calibration(_Strict):
     """The images an INT8 file's activation ranges were calibrated on."""
 
-    method: str = Field(min_length=1)
-    images: Positive
-    source: str
+    method: str = Field(min_length=1, description="e.g. MinMax")
+    images: Positive = Field(description="how many images")
+    source: str = Field(description="where they came from")
 
 
 class PackageFile(_Strict):
     """One file of an export, next to the manifest."""
 
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.(onnx|safetensors)$", description="next to the manifest")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    bytes: Count
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="checked before the file is used")
+    bytes: Count = Field(description="the file's size")
 
 
 class TierEntry(_Strict):
     """One exported (tier, precision): its file, what it costs and how it was checked."""
 
-    name: str = Field(min_length=1)
-    precision: Precision = "fp32"
+    name: str = Field(min_length=1, description="the tier's name")
+    precision: Precision = Field("fp32", description="fp32, int8 or fp16")
     file: str = Field(pattern=r"^[A-Za-z0-9._-]+\.onnx$", description="next to the manifest")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="checked before onnxruntime reads the file")
     index: Count | None = Field(None, description="nested only: the tier input value that selects this entry")
     bytes: Count | None = Field(None, description="the file's size, checked before it is read (required from schema 5)")
-    params: Count
-    params_ratio: NonNegative
-    macs: Count
-    macs_ratio: NonNegative
-    gamma: Annotated[float, Field(gt=0, le=1)] | None
-    gamma_w: float = Field(gt=0, le=1)
-    blocks_per_stage: list[Count]
-    accuracy: Fraction | None
+    params: Count = Field(description="the tier's parameters")
+    params_ratio: NonNegative = Field(description="over the full tier's")
+    macs: Count = Field(description="MACs per image (fvcore)")
+    macs_ratio: NonNegative = Field(description="over the full tier's")
+    gamma: Annotated[float, Field(gt=0, le=1)] | None = Field(description="nominal parameter ratio")
+    gamma_w: float = Field(gt=0, le=1, description="width parameter ratio")
+    blocks_per_stage: list[Count] = Field(description="residual blocks kept, per stage")
+    accuracy: Fraction | None = Field(description="test accuracy, when measured")
     accuracy_on: str | None = Field(None, description="what accuracy was measured on; null: the source run's record")
-    batchnorm_folded: bool
+    batchnorm_folded: bool = Field(description="BatchNorm folded into the convolutions")
     channel_align: Positive = Field(description="inner channels zero-padded to a multiple of this; 1 = none")
     channel_align_ms: dict[str, NonNegative] | None = Field(
         None,
         description="--pad-channels auto: median latency (ms) of each alignment tried, keyed by it; the faster was kept",
     )
-    max_abs_diff: NonNegative
-    vs_fp32: Agreement | None = None
-    calibration: Calibration | None = None
-    weights_mb: NonNegative
-    activation_mb_per_sample: NonNegative
-    latency: Latency
+    max_abs_diff: NonNegative = Field(description="FP32: onnxruntime vs PyTorch; else vs the FP32 file")
+    vs_fp32: Agreement | None = Field(None, description="INT8/FP16: agreement with the FP32 file")
+    calibration: Calibration | None = Field(None, description="INT8: its calibration images")
+    weights_mb: NonNegative = Field(description="the tier's own self-contained model, MB")
+    activation_mb_per_sample: NonNegative = Field(description="the largest activation per image, MB")
+    latency: Latency = Field(description="measured at export")
 
     @property
     def label(self) -> str:
@@ -211,12 +175,35 @@ class TierEntry(_Strict):
 
     def memory_mb(self, batch: int = 1) -> float:
         """Estimated memory to run a batch: weights plus the largest activation per sample
-        times the batch (a lower bound of onnxruntime's peak, which also holds buffers)."""
+        times the batch (a lower bound of onnxruntime's peak, which also holds buffers).
+
+        Args:
+            batch: the batch size.
+
+        Returns:
+            The estimate, in MB.
+        """
         return self.weights_mb + self.activation_mb_per_sample * batch
 
 
 class Manifest(_Strict):
-    """All tiers of one exported model."""
+    """All tiers of one exported model: what ``manifest.json`` holds.
+
+    Read one with :func:`load_manifest`.
+
+    Attributes:
+        schema_version: the format's version (1 to 5).
+        format: ``nested`` (one file per precision) or ``files`` (one per tier and precision).
+        model: the model's name.
+        model_args: its ``create_model`` arguments.
+        source: what was exported (a run directory or a spec).
+        created_by: the nefl-zoo version that wrote it.
+        opset: the ONNX opset.
+        input: the model's input.
+        output: the model's output.
+        class_names: the class of each logit, when known.
+        tiers: every exported (tier, precision) entry.
+    """
 
     schema_version: Literal[1, 2, 3, 4, 5]
     format: Format = "files"
@@ -286,8 +273,18 @@ class Manifest(_Strict):
 
     def tier(self, name: str, precision: str | None = None) -> TierEntry:
         """The entry of tier ``name`` at ``precision``; without one, the entry labelled
-        ``name`` (``g1``, ``g1:int8``), else the tier's only entry. ``KeyError`` naming what
-        exists otherwise."""
+        ``name`` (``g1``, ``g1:int8``), else the tier's only entry.
+
+        Args:
+            name: a tier name, or an entry's label.
+            precision: ``fp32``, ``int8`` or ``fp16``.
+
+        Returns:
+            The entry.
+
+        Raises:
+            KeyError: no such tier, or not at that precision; the message names what exists.
+        """
         if precision is None:
             for entry in self.tiers:
                 if entry.label == name:
@@ -304,7 +301,18 @@ class Manifest(_Strict):
 
 
 def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
-    """Validate loaded manifest data; :class:`ManifestError` names the first bad field."""
+    """Validate loaded manifest data; :class:`ManifestError` names the first bad field.
+
+    Args:
+        data: the manifest, as loaded from JSON.
+        source: where it came from, named in errors.
+
+    Returns:
+        The validated manifest.
+
+    Raises:
+        ManifestError: the first problem, as ``SOURCE: FIELD: what was expected``.
+    """
     if not isinstance(data, dict):
         raise ManifestError(source, "", f"expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
@@ -329,7 +337,17 @@ def parse_manifest(data: Any, source: str = MANIFEST_NAME) -> Manifest:
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    """Read and validate ``manifest.json`` (or the one inside a directory)."""
+    """Read and validate ``manifest.json`` (or the one inside a directory).
+
+    Args:
+        path: the manifest, or the export directory that holds it.
+
+    Returns:
+        The validated manifest.
+
+    Raises:
+        ManifestError: an unreadable or invalid manifest, in one line naming the field.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
@@ -337,7 +355,14 @@ def load_manifest(path: str | Path) -> Manifest:
 
 
 def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    """Hex SHA-256 of a file, read in 1 MiB chunks.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The digest, 64 hex digits.
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -3,7 +3,7 @@ torch-free.
 
 A lower layer never imports a higher one, not even by name. Where it serves what a higher layer
 provides (the model registry, :mod:`nefl_zoo.models.registry`, resolving ``timm:NAME`` and
-``torchvision:NAME`` through :mod:`nefl_zoo.nest`), the higher layer registers with the lower
+``torchvision:NAME`` through :mod:`nefl_zoo.nesting`), the higher layer registers with the lower
 one, and the package root (:mod:`nefl_zoo`, which every import of the package runs first)
 declares here, under a topic, the loader that imports it. The lower layer runs a topic's
 loaders when it first needs them (:func:`load`), so ``import nefl_zoo`` imports nothing more.

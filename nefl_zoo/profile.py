@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .memory import WORKING_SET_FACTOR, check_batch_memory
-from . import __version__
+from .version import __version__
 from .files import atomic_write
 from .models import count_params
 from .slim import CompiledSpec, CompiledTier

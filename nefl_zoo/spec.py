@@ -31,7 +31,13 @@ class SpecError(FileError):
 
 
 class TierSpec(BaseModel):
-    """One submodel: its width ratio and its per-block step sizes."""
+    """One submodel: its width ratio and its per-block step sizes.
+
+    Examples:
+        >>> from nefl_zoo import TierSpec
+        >>> TierSpec(name="g0.5", gamma_w=0.5, steps=[[1, 1, 0], [1, 1, 0], [1, 1, 0]]).gamma_w
+        0.5
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -55,7 +61,22 @@ class TierSpec(BaseModel):
 
 
 class SubmodelSpec(BaseModel):
-    """A zoo model and the tiers (submodels) nested in it."""
+    """A zoo model and the tiers (submodels) nested in it: a spec file, validated.
+
+    Validation checks the spec against the model: the model exists, its arguments are valid,
+    each tier's ``steps`` has one list per stage and one entry per block, and tier names are
+    unique. Build one with :func:`parse_spec` or :func:`load_spec`.
+
+    Attributes:
+        tiers: the submodels, at least one; their names are unique.
+
+    Examples:
+        >>> import nefl_zoo as nz
+        >>> spec = nz.parse_spec({"model": "resnet20", "tiers": [
+        ...     {"name": "g0.5", "gamma_w": 0.5}, {"name": "g1"}]})
+        >>> [tier.name for tier in spec.tiers], spec.full_tier.name
+        (['g0.5', 'g1'], 'g1')
+    """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -75,7 +96,7 @@ class SubmodelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_against_model(self) -> "SubmodelSpec":
-        from .models import ModelArgsError, check_model_args, is_model, list_models, model_info
+        from .models import ModelArgsError, NestError, check_model_args, is_model, list_models, model_info
 
         if not is_model(self.model):
             raise field_error("model", f"unknown model {self.model!r}; one of {', '.join(list_models())}")
@@ -90,15 +111,13 @@ class SubmodelSpec(BaseModel):
             depths, params = model_shape(self.model, tuple(sorted(self.model_args.items())))
         except Exception as exc:  # whatever the model's constructor makes of these arguments
             message = str(exc) if isinstance(exc, (TypeError, ValueError)) else f"{type(exc).__name__}: {exc}"
-            from .nest.sources import NestError
-
             field = "model" if isinstance(exc, NestError) else "model_args"  # a network that cannot be nested
             raise field_error(field, message or type(exc).__name__) from None
         if params > MAX_PARAMS:
             raise field_error(
                 "model_args", f"{self.model} with these arguments has {params:,} parameters; at most {MAX_PARAMS:,}"
             )
-        nested_automatically = model_info(self.model).module.startswith("nefl_zoo.nest")  # torchvision:/timm:/nest()
+        nested_automatically = model_info(self.model).module.startswith("nefl_zoo.nesting")  # torchvision:/timm:/nest()
         seen: set[str] = set()
         for t, tier in enumerate(self.tiers):
             where = f"tiers[{t}]"
@@ -136,14 +155,32 @@ class SubmodelSpec(BaseModel):
         return self
 
     def tier(self, name: str) -> TierSpec:
-        """The tier called ``name``."""
+        """The tier called ``name``.
+
+        Args:
+            name: a tier name of this spec.
+
+        Returns:
+            The tier.
+
+        Raises:
+            KeyError: no tier has that name (the message lists the tiers).
+        """
         for tier in self.tiers:
             if tier.name == name:
                 return tier
         raise KeyError(f"no tier {name!r}; tiers: {', '.join(t.name for t in self.tiers)}")
 
     def tier_args(self, tier: TierSpec) -> dict[str, Any]:
-        """The per-tier ``create_model`` arguments of ``tier``: width ratio, channel multiple, steps."""
+        """The per-tier ``create_model`` arguments of ``tier``: width ratio, channel multiple, steps.
+
+        Args:
+            tier: one of this spec's tiers.
+
+        Returns:
+            ``{"gamma_w": ..., "channel_multiple": ..., "steps": ...}``; the channel multiple
+            is the tier's, else the spec's, else the model's own rule.
+        """
         from .models.registry import default_channel_multiple
 
         multiple = next((m for m in (tier.channel_multiple, self.channel_multiple) if m is not None), None)
@@ -159,11 +196,10 @@ class SubmodelSpec(BaseModel):
 
 def _check_nests(model: str, args: dict[str, Any], field: str) -> None:
     """Build a tier of an automatically nested network on the meta device; its
-    :class:`~nefl_zoo.nest.sources.NestError` (e.g. a channel shuffle) becomes a field error."""
+    :class:`~nefl_zoo.models.NestError` (e.g. a channel shuffle) becomes a field error."""
     import torch
 
-    from .models import create_model
-    from .nest.sources import NestError
+    from .models import NestError, create_model
 
     try:
         with torch.device("meta"):
@@ -181,13 +217,38 @@ def stage_depths(model: str, model_args: tuple) -> tuple[int, ...]:
 
     ``model_args`` is ``tuple(sorted(kwargs.items()))``; results are cached unless a value is
     unhashable (a list, e.g. ``planes: [8, 16, 32, 64]``).
+
+    Args:
+        model: a registered model name.
+        model_args: its ``create_model`` arguments, as sorted ``(name, value)`` pairs.
+
+    Returns:
+        The number of blocks of each stage.
+
+    Examples:
+        >>> from nefl_zoo.spec import stage_depths
+        >>> stage_depths("resnet20", (("num_classes", 10),))
+        (3, 3, 3)
     """
     return model_shape(model, model_args)[0]
 
 
 def model_shape(model: str, model_args: tuple) -> tuple[tuple[int, ...], int]:
     """Blocks per stage and parameter count of a zoo model (built on the meta device, so it
-    costs no memory), cached as :func:`stage_depths`."""
+    costs no memory), cached as :func:`stage_depths`.
+
+    Args:
+        model: a registered model name.
+        model_args: its ``create_model`` arguments, as sorted ``(name, value)`` pairs.
+
+    Returns:
+        ``(blocks per stage, parameter count)``.
+
+    Examples:
+        >>> from nefl_zoo.spec import model_shape
+        >>> model_shape("resnet20", ())
+        ((3, 3, 3), 272483)
+    """
     try:
         hash(model_args)
     except TypeError:
@@ -212,12 +273,38 @@ def _model_shape(model: str, model_args: tuple) -> tuple[tuple[int, ...], int]:
 
 def format_validation_error(source: str, exc: ValidationError) -> SpecError:
     """The first error of a pydantic ``ValidationError`` as a one-line :class:`SpecError`
-    (:func:`nefl_zoo.userfiles.format_validation_error` with the spec's unknown-key hint)."""
+    (:func:`nefl_zoo.userfiles.format_validation_error` with the spec's unknown-key hint).
+
+    Args:
+        source: the file (or other source) the spec came from, named in the message.
+        exc: the validation error.
+
+    Returns:
+        The error, whose message reads ``SOURCE: FIELD: what was expected``.
+    """
     return userfiles.format_validation_error(source, exc, SpecError, unknown_key=UNKNOWN_KEY)
 
 
 def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
-    """Validate already-loaded spec data; raise :class:`SpecError` on the first problem."""
+    """Validate already-loaded spec data; raise :class:`SpecError` on the first problem.
+
+    Args:
+        data: the spec as a mapping (what a YAML spec file holds).
+        source: where it came from, named in errors.
+
+    Returns:
+        The validated spec.
+
+    Raises:
+        SpecError: the first problem, as ``SOURCE: FIELD: what was expected``.
+
+    Examples:
+        >>> import nefl_zoo as nz
+        >>> nz.parse_spec({"model": "resnet20", "tiers": [{"name": "g1", "gamma_w": 2}]})
+        Traceback (most recent call last):
+        ...
+        nefl_zoo.spec.SpecError: <spec>: tiers[0].gamma_w: must be in (0, 1], got 2.0
+    """
     if not isinstance(data, dict):
         raise SpecError(source, "", f"expected a mapping with model and tiers, got {type(data).__name__}")
     try:
@@ -227,15 +314,36 @@ def parse_spec(data: Any, source: str = "<spec>") -> SubmodelSpec:
 
 
 def load_spec(path: str | Path) -> SubmodelSpec:
-    """Read a YAML spec file, or the shipped spec ``MODEL/NAME`` (``resnet110/nefl-wd``; `nefl-zoo
-    specs` lists them), with ``yaml.safe_load`` and validate it."""
+    """Read a YAML spec file, or a shipped spec by name, with ``yaml.safe_load`` and validate it.
+
+    Args:
+        path: the spec file, or a shipped spec's name ``MODEL/NAME`` (``resnet110/nefl-wd``;
+            ``nefl-zoo specs`` lists them), as the command line takes it.
+
+    Returns:
+        The validated spec.
+
+    Raises:
+        SpecError: an unreadable file, an unknown name, invalid YAML or an invalid spec, in one
+            line naming the file and the field.
+
+    Examples:
+        >>> import nefl_zoo as nz
+        >>> spec = nz.load_spec("resnet20/nefl-w")
+        >>> spec.model, [tier.name for tier in spec.tiers]
+        ('resnet20', ['g0.2', 'g0.4', 'g0.6', 'g0.8', 'g1'])
+    """
     if not Path(path).is_file() and Path(path).suffix == "":
         path = resolve_spec_path(path)
     return parse_spec(userfiles.read_yaml(path, SpecError), str(path))
 
 
 def json_schema() -> dict:
-    """JSON Schema of spec files (for editor completion)."""
+    """JSON Schema of spec files (for editor completion).
+
+    Returns:
+        The schema, as ``nefl-zoo schema`` prints it.
+    """
     return SubmodelSpec.model_json_schema()
 
 
@@ -244,6 +352,9 @@ def shipped_specs_dir() -> Path:
 
     The repository's top-level ``specs/`` is installed as the package-data package
     ``nefl_zoo_specs`` (see pyproject.toml), so installed and editable copies both find it.
+
+    Returns:
+        The folder.
     """
     import os
     from importlib.resources import files
@@ -253,7 +364,22 @@ def shipped_specs_dir() -> Path:
 
 
 def resolve_spec_path(name_or_path: str | Path) -> Path:
-    """A spec file path, or the shipped spec ``MODEL/NAME`` (e.g. ``resnet110/nefl-wd``)."""
+    """A spec file path, or the shipped spec ``MODEL/NAME`` (e.g. ``resnet110/nefl-wd``).
+
+    Args:
+        name_or_path: a spec file, or a shipped spec's name.
+
+    Returns:
+        The spec file's path.
+
+    Raises:
+        SpecError: neither a file nor a shipped spec.
+
+    Examples:
+        >>> from nefl_zoo.spec import resolve_spec_path
+        >>> resolve_spec_path("resnet20/nefl-w").name
+        'nefl-w.yaml'
+    """
     path = Path(name_or_path)
     if path.is_file():
         return path

@@ -46,7 +46,7 @@ def _fresh_nesting_plans():
     """Each test file analyses the networks it nests itself: no plan cached by another file (or,
     under mutation testing, by the clean run the mutants are forked from) stands in for the code
     under test."""
-    from nefl_zoo.nest.plan import _PLANS
+    from nefl_zoo.nesting.plan import _PLANS
 
     _PLANS.clear()
 
@@ -69,13 +69,19 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
-def server_identity(monkeypatch):
-    """What a Flower ServerApp process has set when it builds messages (Flower's TaskIdentity)."""
+def set_server_identity(monkeypatch) -> None:
+    """Set what a Flower ServerApp process has set when it builds messages (Flower's
+    TaskIdentity), undone with ``monkeypatch``."""
     from flwr.supercore.task_identity import TaskIdentity
 
     for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, name, value)
+
+
+@pytest.fixture
+def server_identity(monkeypatch):
+    """What a Flower ServerApp process has set when it builds messages."""
+    set_server_identity(monkeypatch)
 
 
 def shared_folder(tmp_path_factory, name: str, make) -> Path:

@@ -1,4 +1,4 @@
-"""Automatic nesting (nefl_zoo.nest): torchvision networks and a user's module behind the spec
+"""Automatic nesting (nefl_zoo.nesting): torchvision networks and a user's module behind the spec
 compiler, checked as the model contract checks the zoo, and against the hand-written zoo."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from nefl_zoo.models import count_params, create_model
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import SpecError, parse_spec
 
@@ -72,7 +72,7 @@ def test_torchvisions_own_weights_load_and_give_torchvisions_logits(resnet):
 
     _, full, _ = resnet
     theirs = torchvision.models.resnet18(num_classes=10).eval()
-    theirs.conv1 = nn.Conv2d(1, 64, 7, 2, 3, bias=False)  # in_chans 1, as nefl_zoo.nest replaces it
+    theirs.conv1 = nn.Conv2d(1, 64, 7, 2, 3, bias=False)  # in_chans 1, as automatic nesting replaces it
     ours = copy.deepcopy(full)
     assert sorted(load_pretrained(ours, theirs.state_dict())) == sorted(full.step_keys())  # steps stay 1
     x = torch.randn(2, 1, 32, 32)
@@ -90,7 +90,7 @@ def test_a_slim_tier_is_the_global_model_with_the_removed_channels_and_blocks_ze
 def test_the_parity_check_catches_running_statistics_in_the_wrong_channels(resnet, monkeypatch, statistic):
     """The check randomises the tier's BatchNorm statistics, so statistics that the slice map
     places in the wrong channels of the global model (here: the kept ones, reversed) show."""
-    from nefl_zoo.nest.net import AutoNestedNet
+    from nefl_zoo.nesting.net import AutoNestedNet
     from nefl_zoo.slim.slicemap import region_key
 
     compiled, _, _ = resnet
@@ -309,7 +309,7 @@ def test_methods_that_split_the_network_refuse_an_automatically_nested_one_in_on
 
 
 def test_randomise_zeros_fills_only_all_zero_tensors_with_small_values():
-    from nefl_zoo.nest.verify import randomise_zeros
+    from nefl_zoo.nesting.verify import randomise_zeros
 
     torch.manual_seed(0)
     head = nn.Linear(8, 64)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from nefl_zoo.models import create_model
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 
@@ -107,7 +107,7 @@ def test_a_tier_that_would_fail_at_its_first_forward_is_refused_when_built_namin
 
 
 def test_library_names_split_at_the_first_colon_and_only_for_known_libraries():
-    from nefl_zoo.nest.sources import split_name
+    from nefl_zoo.nesting.sources import split_name
 
     assert split_name("torchvision:resnet18") == ("torchvision", "resnet18")
     assert split_name("timm:hf-hub:org/model") == ("timm", "hf-hub:org/model")

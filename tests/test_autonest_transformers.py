@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from nefl_zoo.models import count_params, create_model
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 

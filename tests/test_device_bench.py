@@ -194,6 +194,41 @@ def test_errors_while_timing_are_one_line_and_exit_2(package, monkeypatch, capsy
     assert exit_.value.code == 2 and capsys.readouterr().err == line + "\n"
 
 
+def test_bench_out_errors_name_what_was_given_before_anything_is_timed(package, tmp_path, monkeypatch, capsys):
+    """``--out`` naming a folder, or a file in a missing folder, is refused before timing in one
+    line naming what the user gave (a folder was reported as the temporary file beside it); a
+    write that fails later names it too."""
+    monkeypatch.setattr("nefl_zoo.runtime.latency.measure_latency_table", lambda *args: pytest.fail("timed"))
+    for out, message in ((tmp_path, f"--out {tmp_path}: is a folder; give the table's file name (e.g. {tmp_path / 'latency.json'})"),
+                         (tmp_path / "no" / "t.json", f"--out {tmp_path / 'no' / 't.json'}: its folder {tmp_path / 'no'} does not exist")):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(["bench", str(package), "--out", str(out)])
+        assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    table = measure_latency_table(TierRuntime(package), [1], runs=1, warmup=0)
+
+    def replaced_by_a_folder(tmp, path):  # a folder made at the path while the table was timed
+        raise IsADirectoryError(21, "Is a directory", str(tmp), str(path))
+
+    monkeypatch.setattr("os.replace", replaced_by_a_folder)
+    with pytest.raises(IsADirectoryError) as err:
+        table.save(tmp_path / "t.json")
+    assert err.value.filename == str(tmp_path / "t.json") and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_select_and_the_policy_accept_the_same_latencies(package, table_file, tmp_path):
+    """A latency the adaptive policy refuses (below a microsecond) is refused by a table and by
+    ``select`` alike; ``select`` took a table of 0 ms entries that the policy then refused."""
+    from nefl_zoo.runtime import Deadline
+
+    with pytest.raises(LatencyTableError, match=r"entries\[0\].median_ms: .*greater than or equal to 0.001"):
+        load_latency_table(edited(table_file, tmp_path, lambda d: d["entries"][0].update(median_ms=0.0, p95_ms=0.0)))
+    zero = {t.label: 0.0 for t in load_manifest(package).tiers}
+    with pytest.raises(ValueError, match=r"latencies\[small\]: must be a number in \[0.001, 86400000\], got 0.0"):
+        TierRuntime(package).select(latency_ms=1, latencies=zero)
+    with pytest.raises(ValueError, match=r"expected_ms: must be a number in \[0.001, 86400000\], got 0.0"):
+        TierRuntime(package, policy=Deadline(ms=1), latencies=zero)
+
+
 def test_bench_of_a_missing_package_is_one_line(tmp_path):
     done = bench(tmp_path / "nothing")  # in a subprocess: a real exit code
     assert done.returncode == 2
@@ -280,8 +315,9 @@ def test_a_table_round_trips(table_file, tmp_path):
         (lambda d: d["entries"][0].update(runs=0), "entries[0].runs", "greater than or equal to 1"),
         (lambda d: d["entries"][1].update(p95_ms=1e300), "entries[1].p95_ms", "less than or equal to 86400000"),
         (lambda d: d.update(colour="red"), "colour", "unknown key"),
-        (lambda d: d["entries"][1].update(median_ms=-1), "entries[1].median_ms", "greater than or equal to 0"),
-        (lambda d: d["entries"][0].update(p95_ms=0), "entries[0].p95_ms", "is below median_ms"),
+        (lambda d: d["entries"][1].update(median_ms=-1), "entries[1].median_ms", "greater than or equal to 0.001"),
+        (lambda d: d["entries"][1].update(median_ms=0, p95_ms=0), "entries[1].median_ms", "greater than or equal to 0.001"),
+        (lambda d: d["entries"][0].update(p95_ms=d["entries"][0]["median_ms"] / 2), "entries[0].p95_ms", "is below median_ms"),
         (lambda d: d["entries"].append(d["entries"][0]), "entries[4]", "a second entry for small at batch 1"),
         (lambda d: d["machine"].pop("processor"), "machine.processor", "required key is missing"),
         (lambda d: d.update(entries=[]), "entries", "at least 1 item"),

@@ -5,6 +5,7 @@ and the metrics records), settings that survive the saved configuration, what th
 method.
 A new method file is covered here without an edit."""
 
+import hashlib
 import json
 import math
 import re
@@ -109,3 +110,47 @@ def test_the_documented_method_tables_list_every_registered_method():
 def test_the_registry_lists_the_built_in_methods_in_sorted_module_order():
     modules = [registered_methods()[m].__module__ for m in METHODS]
     assert modules == sorted(modules) and len(set(METHODS)) == len(METHODS)
+
+
+# sha256 over every tensor (sorted names: name, dtype, shape, bytes) of each method's contract run
+# (one torch thread), recorded on this project's CI machine type before the training package was
+# reorganised: a refactor of training must leave them as they are. Floating-point results depend on
+# the CPU's vector instructions, so other CPUs are not compared.
+RECORDED_CPU = "AVX512"
+RECORDED_STATES = {
+    "depthfl": "dc2c4f31b24cc6f5db73d0551567129a6cb1849868a276d5f7d348a66f1ed6a3",
+    "fedavg": "6f085dfa9250982e4ea90d69560cd74b7eecb719877cf9b4353b1975c3f41910",
+    "fedavg_min": "fd73113984d86b1650ab097b216f6dd54e7426d94d81f247d27e474a7afcb604",
+    "fedavg_full": "6c7ac59dd61b7a8f37fab8ee2e1da0bb62d88c8664319c8dc9ef9aaeb9a4adfb",
+    "fedavgm": "71f4eab8246d6215a1509d0845066739bccedd0f32d754cec05012e2f3bef4cc",
+    "fedgh": "32902800791c10923fd303b9ba36d2cff69257a0b2de8b9e76bfec82fc17ffb8",
+    "fedlps": "47fd6b954fdd8d6ca1f32a7dade88f7dd0c4a3a28cca778bf94ff7d795e602bb",
+    "fedprox": "150612f2c7d9444e756e72cfba8b90d24bd1a9855a207c4c35e1055e9856924e",
+    "fjord": "5541feedd6599df82084fd719e0c0990ebfb86c01235766f172b945d504e02cc",
+    "heterofl": "465d6a6b0ebeb2fe0834e2f1e1923db892725fd385e2ed1fbb24a80d4075de4e",
+    "nefl": "8bc2b4daf4425d44a52e0fd140f431ca8715861bc1b7461bbb9dd462f8514283",
+}
+
+
+def state_digest(run_dir: Path) -> str:
+    """One sha256 over a run directory's global and per-client tensors."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name in ("global.safetensors", "clients.safetensors"):
+        if (run_dir / name).exists():
+            tensors = load_file(str(run_dir / name))
+            for key in sorted(tensors):
+                tensor = tensors[key].contiguous().reshape(-1)
+                digest.update(f"{name}:{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_methods_results_are_the_recorded_ones(tmp_path_factory, method):
+    if torch.backends.cpu.get_cpu_capability() != RECORDED_CPU:
+        pytest.skip(f"recorded on a {RECORDED_CPU} CPU; this one is {torch.backends.cpu.get_cpu_capability()}")
+    if method not in RECORDED_STATES:
+        pytest.skip(f"no recorded result for {method}: a method added after the recording")
+    assert state_digest(contract_run(tmp_path_factory, method)) == RECORDED_STATES[method]

@@ -1,8 +1,10 @@
-"""The method contract on Flower: every registered method's 2-round run on Flower's simulation
-engine equals its run on the embedded engine, and a method that keeps per-client state resumes
-on Flower bit-identically. All methods share one simulation (``tests/support/flower.py``), so a
-new method adds no Ray start. The same simulation's per-node bytes and observer calls are
-checked here too, so the suite's one Ray start stays on one worker (``--dist loadfile``)."""
+"""The method contract on Flower: every registered method's 2-round run through Flower's
+ServerApp and ClientApp equals its run on the embedded engine, and a method that keeps per-client
+state resumes on Flower bit-identically: every method on an in-process grid whose messages cross
+Flower's protobuf, and the methods of ``RAY_METHODS`` also in one Flower simulation (Ray's worker
+processes; ``tests/support/flower.py``), so a new method adds no Ray run. The simulation's
+per-node bytes and observer calls are checked here too, so the suite's one Ray start stays on
+one worker (``--dist loadfile``)."""
 
 import pytest
 
@@ -11,7 +13,7 @@ pytest.importorskip("flwr")
 from nefl_zoo.fl.registry import registered_methods  # noqa: E402
 
 from .conftest import contract_config, records, same_tensors  # noqa: E402
-from .support.flower import (CLIENT_STATES, OBSERVED, InProcessGrid, layout, secure_contract_config, simulation,  # noqa: E402
+from .support.flower import (CLIENT_STATES, OBSERVED, RAY_METHODS, InProcessGrid, layout, secure_contract_config, simulation,  # noqa: E402
                              submodel_bytes)
 
 
@@ -21,25 +23,24 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", list(registered_methods()))
-def test_flower_simulation_equals_the_embedded_engine(runs, method):
-    embedded, flower = runs / f"embedded-{method}", runs / f"flower-{method}"
-    assert layout(flower) == layout(embedded)
-    assert same_tensors(flower, embedded)
-    if (embedded / CLIENT_STATES).exists():
-        assert same_tensors(flower, embedded, CLIENT_STATES)
-    assert records(flower) == records(embedded)
+def test_flower_equals_the_embedded_engine(runs, method):
+    embedded = runs / f"embedded-{method}"
+    for flower in (runs / f"wire-{method}", runs / f"flower-{method}"):
+        if method not in RAY_METHODS and flower.name.startswith("flower-"):
+            continue
+        assert layout(flower) == layout(embedded), flower.name
+        assert same_tensors(flower, embedded), flower.name
+        if (embedded / CLIENT_STATES).exists():
+            assert same_tensors(flower, embedded, CLIENT_STATES), flower.name
+        assert records(flower) == records(embedded), flower.name
 
 
-def test_secure_simulation_on_ray_gives_the_in_process_secure_run_bit_for_bit(runs, tmp_path, monkeypatch):
+def test_secure_simulation_on_ray_gives_the_in_process_secure_run_bit_for_bit(runs, tmp_path, server_identity):
     """SecAgg+ in Flower's simulation (Ray, its ClientApp processes) and on an in-process grid
     (protobuf both ways): the same global tensors and records, stochastic rounding being seeded
     per client and the masks cancelling in the sum (tests/test_secagg.py: the bound, the masks)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
     from nefl_zoo.fl.flower import FlowerEngine
 
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
     config = secure_contract_config()
     FlowerEngine(config, tmp_path / "wire", InProcessGrid(config.clients.num_clients, wire=True), timeout=30).run()
     assert same_tensors(runs / "flower-nefl-secure", tmp_path / "wire")
@@ -52,13 +53,14 @@ def test_methods_with_client_state_resume_on_flower_bit_identically(runs):
     embedded run's global and per-client tensors (the client state is in Flower's checkpoints)."""
     stateful = sorted(m for m in registered_methods() if (runs / f"embedded-{m}" / CLIENT_STATES).exists())
     assert "fedgh" in stateful  # FedGH's extractors are per-client state: the check below is not empty
-    for method in stateful:
-        resumed = runs / f"flower-{method}-resumed"
-        for name in ("global.safetensors", CLIENT_STATES):
-            assert same_tensors(resumed, runs / f"flower-{method}", name), (method, name)
-            assert same_tensors(resumed, runs / f"embedded-{method}", name), (method, name)
+    resumed_runs = [(m, f"wire-{m}") for m in stateful] + [(m, f"flower-{m}") for m in stateful if m in RAY_METHODS]
+    for method, name in resumed_runs:
+        resumed = runs / f"{name}-resumed"
+        for state in ("global.safetensors", CLIENT_STATES):
+            assert same_tensors(resumed, runs / name, state), (name, state)
+            assert same_tensors(resumed, runs / f"embedded-{method}", state), (name, state)
         # round 1 was the last round of the stopped run, so it was evaluated: compare the end
-        assert records(resumed)[-1] == records(runs / f"embedded-{method}")[-1], method
+        assert records(resumed)[-1] == records(runs / f"embedded-{method}")[-1], name
 
 
 def test_simulation_sends_each_node_only_its_submodels_bytes(tmp_path_factory):

@@ -109,11 +109,11 @@ def test_a_prefix_is_resolved_by_the_source_a_higher_layer_registers(monkeypatch
 
 def test_library_names_work_from_the_model_registry_alone_in_a_fresh_process():
     """``from nefl_zoo.models import create_model`` reaches torchvision:/timm: models without
-    importing nefl_zoo.nest first: the package root declares it, loaded on the first such name."""
+    importing nefl_zoo.nesting first: the package root declares it, loaded on the first such name."""
     code = ("import sys; from nefl_zoo.models import is_model, model_info\n"
-            "assert 'nefl_zoo.nest' not in sys.modules\n"
+            "assert 'nefl_zoo.nesting' not in sys.modules\n"
             "assert is_model('timm:resnet18') and not is_model('torchvision:resnet_nope')\n"
-            "assert model_info('torchvision:resnet18').module == 'nefl_zoo.nest.net'")
+            "assert model_info('torchvision:resnet18').module == 'nefl_zoo.nesting.net'")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
 
@@ -235,8 +235,13 @@ def test_a_model_arguments_error_without_a_field_is_its_message():
 
 
 def test_the_package_root_exports_its_names_lazily_and_nest_stays_the_function():
+    """``nefl_zoo.nest`` is the function, also once the subpackage ``nefl_zoo.nesting`` is
+    imported: the names differ, so the package root is a plain module (no module class of its
+    own)."""
+    import types
+
     import nefl_zoo
-    import nefl_zoo.nest.plan  # noqa: F401 - importing the subpackage does not replace the exported function
+    import nefl_zoo.nesting.plan  # noqa: F401 - sets nefl_zoo.nesting, never nefl_zoo.nest
     import nefl_zoo.slim
     import nefl_zoo.spec
 
@@ -245,16 +250,13 @@ def test_the_package_root_exports_its_names_lazily_and_nest_stays_the_function()
                                 "load_spec", "nest", "parse_spec", "register_model", "scatter_"]
     assert nefl_zoo.create_model is create_model and nefl_zoo.compile_spec is nefl_zoo.slim.compile_spec
     assert nefl_zoo.SpecError is nefl_zoo.spec.SpecError
-    from nefl_zoo.nest import nest
+    from nefl_zoo.nesting import NestError, nest
 
-    assert nefl_zoo.nest is nest and callable(nefl_zoo.nest)
+    assert nefl_zoo.nest is nest and callable(nefl_zoo.nest) and nefl_zoo.nesting is sys.modules["nefl_zoo.nesting"]
+    assert nefl_zoo.NestError is NestError is nefl_zoo.models.NestError
+    assert type(nefl_zoo) is types.ModuleType
     with pytest.raises(AttributeError, match=r"^module 'nefl_zoo' has no attribute 'nope'$"):
         nefl_zoo.nope  # noqa: B018
-    nefl_zoo.nest = sys.modules["nefl_zoo.nest"]  # what the import system does: ignored for an exported name
-    assert nefl_zoo.nest is nest
-    nefl_zoo.extra_setting = sys.modules["nefl_zoo.nest"]  # any other name is set as usual
-    assert nefl_zoo.extra_setting is sys.modules["nefl_zoo.nest"]
-    del nefl_zoo.extra_setting
 
 
 def test_declared_loaders_run_once_in_order_and_a_failing_one_stays_pending():

@@ -24,10 +24,10 @@ def test_the_tests_run_file_by_file_in_the_selections_order():
 def test_a_packages_own_mutants_leave_out_its_submodules():
     from fnmatch import fnmatch
 
-    names = ["nefl_zoo.nest.x_nest__mutmut_1", "nefl_zoo.nest.xǁAutoArgsǁ__init____mutmut_2",
-             "nefl_zoo.nest.channels.x_analyse__mutmut_3", "nefl_zoo.nest.channels.xǁChannelsǁnew__mutmut_4"]
-    assert [n for n in names if any(fnmatch(n, p) for p in mutation.own_mutants("nefl_zoo.nest"))] == names[:2]
-    assert [n for n in names if any(fnmatch(n, p) for p in mutation.own_mutants("nefl_zoo.nest.channels"))] == names[2:]
+    names = ["nefl_zoo.nesting.x_nest__mutmut_1", "nefl_zoo.nesting.xǁAutoArgsǁ__init____mutmut_2",
+             "nefl_zoo.nesting.channels.x_analyse__mutmut_3", "nefl_zoo.nesting.channels.xǁChannelsǁnew__mutmut_4"]
+    assert [n for n in names if any(fnmatch(n, p) for p in mutation.own_mutants("nefl_zoo.nesting"))] == names[:2]
+    assert [n for n in names if any(fnmatch(n, p) for p in mutation.own_mutants("nefl_zoo.nesting.channels"))] == names[2:]
 
 
 def test_plain_copies_of_modules_to_mutate_are_dropped_and_mutated_ones_kept(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""``nefl_zoo.nest.nest``: a user's module registered as a zoo model under its class name, with
+"""``nefl_zoo.nesting.nest``: a user's module registered as a zoo model under its class name, with
 its own weights, classes, channels and size; bad example inputs and other sizes refused in one
 line."""
 
@@ -15,7 +15,7 @@ from torch import nn
 from nefl_zoo.models import create_model
 from nefl_zoo.models.args import ModelArgsError
 from nefl_zoo.models.registry import model_info
-from nefl_zoo.nest import NestError, nest
+from nefl_zoo.nesting import NestError, nest
 
 
 class TwoWords(nn.Module):
@@ -51,7 +51,7 @@ def test_a_nested_module_declares_its_arguments():
 
 
 def test_the_analysis_at_nest_serves_every_tier(monkeypatch):
-    from nefl_zoo.nest import plan
+    from nefl_zoo.nesting import plan
 
     analysed = []
     monkeypatch.setattr(plan, "make_plan", lambda *args, make=plan.make_plan: analysed.append(args[1:]) or make(*args))

@@ -1,5 +1,5 @@
 """How products of activations, einsums, index tensors and element-wise parameters carry
-channel ids (nefl_zoo/nest/attention.py), on id tensors made by hand: every element holds the
+channel ids (nefl_zoo/nesting/attention.py), on id tensors made by hand: every element holds the
 id of its channel, ids counted from 0 as :class:`Channels` hands them out."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nefl_zoo.nest import NestError
-from nefl_zoo.nest.attention import contract, einsum, gather, unite
-from nefl_zoo.nest.ids import Channels, roots_of, spread
+from nefl_zoo.nesting import NestError
+from nefl_zoo.nesting.attention import contract, einsum, gather, unite
+from nefl_zoo.nesting.ids import Channels, roots_of, spread
 
 
 def elements(ch: Channels, name: str, size: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Residual blocks of automatically nested networks (nefl_zoo/nest/residual.py) and how the
-nested net carries them (nefl_zoo/nest/net.py): stages of nested modules, adds of every call
+"""Residual blocks of automatically nested networks (nefl_zoo/nesting/residual.py) and how the
+nested net carries them (nefl_zoo/nesting/net.py): stages of nested modules, adds of every call
 form, layer scales, and the traced module's own tensors."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from nefl_zoo.models import create_model
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.net import AutoArgs, model_info
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.net import AutoArgs, model_info
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 
@@ -165,7 +165,7 @@ def test_library_models_register_their_arguments_and_summary():
     from nefl_zoo.models.registry import UnknownModelError
 
     info = model_info("torchvision:resnet18")
-    assert info.args is AutoArgs and info.module == "nefl_zoo.nest.net"
+    assert info.args is AutoArgs and info.module == "nefl_zoo.nesting.net"
     assert info.summary == "torchvision:resnet18, nested automatically (channel-dependency graph)."
     with pytest.raises(UnknownModelError, match=r"^unknown model 'torchvision:resnet_nope': no such torchvision or timm model$"):
         model_info("torchvision:resnet_nope")
@@ -203,8 +203,8 @@ class MetaScale(ListedScale):
 
 
 def test_a_listed_tensor_without_values_is_refused_in_one_line_when_a_tier_needs_data():
-    from nefl_zoo.nest.net import build_tier
-    from nefl_zoo.nest.sources import Source
+    from nefl_zoo.nesting.net import build_tier
+    from nefl_zoo.nesting.sources import Source
 
     with torch.device("meta"):  # shape-only tiers need no values
         assert build_tier(("meta_scale",), lambda: Source("module:meta_scale", MetaScale), 1, 2, 2)._tensor_constant0.is_meta

@@ -1,4 +1,4 @@
-"""How the channel analysis (nefl_zoo/nest/channels.py) reads each form of an operation:
+"""How the channel analysis (nefl_zoo/nesting/channels.py) reads each form of an operation:
 pooling and convolution over tensors whose positions hold different layers' channels, rows of
 parameter elements beside a layer's rows, functional pads, folds, unfolds, index selections,
 einsums with their operands in a list, functional linear layers of nested modules, a linear
@@ -13,9 +13,9 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 from nefl_zoo.models import create_model
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.channels import ShapeError, analyse
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.channels import ShapeError, analyse
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 

@@ -1,4 +1,4 @@
-"""Id tensors and the union-find over channel ids (nefl_zoo/nest/ids.py): ids counted from 0
+"""Id tensors and the union-find over channel ids (nefl_zoo/nesting/ids.py): ids counted from 0
 as :class:`Channels` hands them out, ``-1`` for no channel; and GroupNorm, whose groups a tier
 keeps whole."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nefl_zoo.nest import nest
-from nefl_zoo.nest.ids import Channels, element_mask, roots_of
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import nest
+from nefl_zoo.nesting.ids import Channels, element_mask, roots_of
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 

@@ -1,4 +1,4 @@
-"""How data movement carries channel ids (nefl_zoo/nest/movement.py), on id tensors made by hand:
+"""How data movement carries channel ids (nefl_zoo/nesting/movement.py), on id tensors made by hand:
 every element holds the id of its channel, -1 for none."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from nefl_zoo.nest import NestError, nest
-from nefl_zoo.nest.ids import Channels, spread
-from nefl_zoo.nest.movement import branch_dim, channel_dim, folded, opaque, pad, unfolded
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import NestError, nest
+from nefl_zoo.nesting.ids import Channels, spread
+from nefl_zoo.nesting.movement import branch_dim, channel_dim, folded, opaque, pad, unfolded
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 

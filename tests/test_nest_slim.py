@@ -1,4 +1,4 @@
-"""How a tier's graph is cut (nefl_zoo/nest/slim.py): widths written into functional calls
+"""How a tier's graph is cut (nefl_zoo/nesting/slim.py): widths written into functional calls
 (convolutions, layer and group norms), channel selections on the first dimension or by a
 split size, norms without running statistics, sequence-first multi-head attention and heads
 moved into the batch through ``size()``, each checked against the full model with the
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nefl_zoo.nest import nest
-from nefl_zoo.nest.verify import zeroed_parity
+from nefl_zoo.nesting import nest
+from nefl_zoo.nesting.verify import zeroed_parity
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec
 

@@ -1,4 +1,4 @@
-"""Where automatically nested networks come from (nefl_zoo/nest/sources.py): library
+"""Where automatically nested networks come from (nefl_zoo/nesting/sources.py): library
 constructors with their arguments, the first convolution re-made for other input channels,
 construction on the meta device, and tracing (optional arguments, shape assertions, refusals)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from nefl_zoo.nest.sources import NestError, Source, _optional_arguments, _replace_first_conv, construct, library_source, trace
+from nefl_zoo.nesting.sources import NestError, Source, _optional_arguments, _replace_first_conv, construct, library_source, trace
 
 
 @pytest.mark.parametrize("name", ["googlenet", "inception_v3"])

@@ -129,7 +129,8 @@ def test_node_runs_every_tier_of_every_precision_like_python(node, app, export, 
                           capture_output=True, text=True, timeout=120)
     report = done.stdout + done.stderr
     counts = {key: int(n) for key, n in re.findall(r"^# (pass|fail|cancelled|skipped|todo) (\d+)$", report, re.M)}
-    assert done.returncode == 0, report[-4000:]
+    failed = [line for line in report.splitlines() if line.lstrip().startswith(("not ok", "error:", "expected", "actual", "stack"))]
+    assert done.returncode == 0, "\n".join(failed) or report[-4000:]
     assert counts.get("pass", 0) > 0 and counts.get("fail") == 0 and counts.get("skipped") == 0, report[-4000:]
     assert counts.get("cancelled") == 0 and counts.get("todo") == 0, report[-4000:]
 

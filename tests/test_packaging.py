@@ -45,14 +45,16 @@ def test_shipped_specs_come_from_the_installed_package(monkeypatch, tmp_path):
 
 
 def test_one_version_everywhere():
-    """The version is written once (``nefl_zoo.__version__``, read by pyproject.toml); the
-    installed metadata, ``--version``, the npm package and the changelog agree with it."""
+    """The version is written once (``nefl_zoo/version.py``, read by pyproject.toml, re-exported
+    as ``nefl_zoo.__version__``); the installed metadata, ``--version``, the npm package and the
+    changelog agree with it."""
     from typer.testing import CliRunner
 
     from nefl_zoo_cli.app import app
 
     assert PYPROJECT["project"]["dynamic"] == ["version"] and "version" not in PYPROJECT["project"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nefl_zoo.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nefl_zoo.version.__version__"}
+    assert nefl_zoo.__version__ is nefl_zoo.version.__version__
     assert version("nefl-zoo") == nefl_zoo.__version__
     shown = CliRunner().invoke(app, ["--version"])
     assert shown.exit_code == 0 and shown.stdout == f"nefl-zoo {nefl_zoo.__version__}\n"

@@ -5,7 +5,9 @@ opening fence), so the documentation and the code cannot drift apart.
 
 * ``python``: executed in a fresh namespace (one per chain), in a temporary working directory
   holding copies of ``specs/`` and ``examples/`` and an empty ``exports/`` (what a fresh clone
-  has); models the snippet registers are unregistered afterwards.
+  has); models the snippet registers are unregistered afterwards. A comment line ``#> TEXT``
+  shows output: every such line must appear in what the snippet printed, in order, as for
+  ``console`` (``...`` stands for any text).
 * ``console``: each line starting with ``$ `` is a command; the lines after it, up to the next
   command, are its output as shown: every shown line must appear in the real output, in order,
   exactly (``...`` in a shown line stands for any text). ``bash``: every line is a command
@@ -33,6 +35,8 @@ An unknown marker fails its snippet's test. New snippets are picked up as they a
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -81,7 +85,8 @@ class Snippet:
 
     @property
     def id(self) -> str:
-        return f"{self.document.relative_to(ROOT)}:{self.line}"
+        document = self.document.relative_to(ROOT) if self.document.is_relative_to(ROOT) else self.document.name
+        return f"{document}:{self.line}"
 
 
 def collect(document: Path) -> list[Snippet]:
@@ -148,6 +153,16 @@ def test_markers_commands_and_shown_output_are_told_apart(tmp_path):
         (["nefl-zoo", "a", "--b"], ["out 1"]), (["nefl-zoo", "c"], [])]
 
 
+def test_shown_python_output_must_be_printed(tmp_path):
+    document = tmp_path / "DOC.md"
+    document.write_text("```python\nprint('a', 1)\n#> a 1\nprint('b: 2.50 s')\n#> b: ... s\n```\n"
+                        "```python\nprint('a')\n#> b\n```\n")
+    good, bad = collect(document)
+    run_python(good, {})
+    with pytest.raises(AssertionError, match="did not print the line the page shows"):
+        run_python(bad, {})
+
+
 def test_continue_joins_the_snippet_before_it_on_the_same_page(tmp_path):
     first, second = tmp_path / "A.md", tmp_path / "B.md"
     first.write_text("```python\na = 1\n```\n<!-- snippet: continue -->\n```bash\nls\n```\n```python\nb = 2\n```\n")
@@ -200,10 +215,14 @@ def test_snippet(chain: list[Snippet], workdir: Path):
 
 def run_python(snippet: Snippet, namespace: dict) -> None:
     """Execute ``snippet`` in ``namespace`` (its chain's; tracebacks give the page's line
-    numbers); models it registers are unregistered after the test (conftest's
-    ``_model_registry``)."""
+    numbers), then check its ``#>`` output lines against what it printed; models it registers
+    are unregistered after the test (conftest's ``_model_registry``)."""
     code = compile("\n" * snippet.line + snippet.code, str(snippet.document), "exec")
-    exec(code, namespace)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, namespace)
+    shown = [line.strip()[2:] for line in snippet.code.splitlines() if line.strip().startswith("#>")]
+    check_output(snippet, "the snippet", printed.getvalue(), shown)
 
 
 def commands(snippet: Snippet) -> list[tuple[str, list[str]]]:
@@ -253,13 +272,13 @@ def check_output(snippet: Snippet, command: str, output: str, shown: list[str]) 
 
 # ---- the names the README gives -----------------------------------------------------------------
 def test_nz_nest_is_the_function_the_readme_names():
-    """``import nefl_zoo as nz; nz.nest(module, example_input)``, even after the subpackage of
-    that name is imported (which sets it as the package's attribute)."""
+    """``import nefl_zoo as nz; nz.nest(module, example_input)``, also once the nesting
+    subpackage is imported."""
     import torch
     from torch import nn
 
     import nefl_zoo as nz
-    import nefl_zoo.nest.sources  # noqa: F401  (the import that would shadow the function)
+    import nefl_zoo.nesting.sources  # noqa: F401  (sets nz.nesting, never nz.nest)
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -269,7 +288,7 @@ def test_nz_nest_is_the_function_the_readme_names():
         def forward(self, x):
             return self.fc(self.conv(x).mean((2, 3)))
 
-    from nefl_zoo.nest import NestError, nest
+    from nefl_zoo.nesting import NestError, nest
 
     assert nz.nest is nest and nz.NestError is NestError and "nest" in nz.__all__
     name = nz.nest(Tiny(), (1, 3, 8, 8), name="readme_tiny")

@@ -32,7 +32,7 @@ from nefl_zoo.fl.flower import FlowerEngine, SimulatedRun, simulate_runs  # noqa
 from nefl_zoo.fl.flower.secure import check_secure  # noqa: E402
 from nefl_zoo.fl.secagg import Layout, SecureAggregation, sum_error, weight_scale  # noqa: E402
 
-from .conftest import records, same_tensors, tiny  # noqa: E402
+from .conftest import records, same_tensors, set_server_identity, tiny  # noqa: E402
 from .support.flower import InProcessGrid  # noqa: E402
 
 torch.set_num_threads(1)
@@ -55,10 +55,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("secagg")
     vectors: dict = {}
     with pytest.MonkeyPatch.context() as mp:
-        from flwr.supercore.task_identity import TaskIdentity
-
-        for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-            mp.setattr(TaskIdentity, name, value)
+        set_server_identity(mp)
         build = Layout.client_vector
         mp.setattr(Layout, "client_vector", lambda self, *a: vectors.setdefault(len(vectors), build(self, *a)))
         result = {}
@@ -310,13 +307,9 @@ def test_the_in_process_engine_refuses_secure_aggregation_and_flower_refuses_the
     assert "\n" not in str(info.value) and not (tmp_path / "flower").exists()
 
 
-def test_a_secure_run_resumes_bit_for_bit_after_a_kill(tmp_path, monkeypatch):
+def test_a_secure_run_resumes_bit_for_bit_after_a_kill(tmp_path, monkeypatch, server_identity):
     """Stochastic rounding is seeded by each client's training seed and the masks cancel, so a
     secure run killed after round 1 and resumed gives the uninterrupted run's tensors and records."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, name, value)
     cfg = tiny(method="nefl", rounds=2, checkpoint_every=1, clients__num_clients=3, train__local_epochs=1,
                data__max_test_samples=64, secure_aggregation={})
     FlowerEngine(cfg, tmp_path / "straight", InProcessGrid(3, wire=True), timeout=30).run()

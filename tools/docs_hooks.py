@@ -3,18 +3,48 @@
 * Generated reference: a line ``<!-- generate: cli -->`` in a page becomes the reference of
   every ``nefl-zoo`` command, read from the typer app (usage, arguments, options, defaults,
   help); ``<!-- generate: schema MODULE:MODEL -->`` becomes a table per pydantic model (the
-  model and every model it nests), read from ``MODEL.model_json_schema()``. An unknown
-  directive stops the build.
+  model and every model it nests), read from ``MODEL.model_json_schema()``;
+  ``<!-- generate: layers -->`` becomes the table of the package's parts (job, imports), read
+  from ``[tool.nefl-zoo.structure]`` of ``pyproject.toml``. An unknown directive stops the
+  build.
 * Docstrings: the Sphinx roles they use (``:func:`name```, ``:class:`~pkg.Name```) render as
   code, and a paragraph's ``::`` (reST's literal block marker) as ``:``.
+* The version: ``nefl_zoo.__version__``, shown beside the repository link (``extra.version``,
+  read by ``docs/overrides/partials/source.html``).
+* Checks of every rendered page, generated reference included (a warning each, so
+  ``mkdocs build --strict`` fails): no line of a code block wider than :data:`MAX_COLUMNS`, and
+  outside the developer section (:data:`DEVELOPER_SECTION`) no trace of how the software was
+  made (:data:`HISTORY`: issue numbers, commit hashes, test-file paths).
 """
 
 from __future__ import annotations
 
+import html
 import json
+import logging
 import re
+import sys
 import warnings
 from importlib import import_module
+from pathlib import Path
+
+log = logging.getLogger("mkdocs.hooks.nefl_zoo")
+
+MAX_COLUMNS = 88
+DEVELOPER_SECTION = "develop/"  # pages under docs/develop/ are for contributors
+HISTORY = {
+    "an issue number": re.compile(r"\bissues?\s*#?\d", re.IGNORECASE),
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "a test file's path": re.compile(r"\btests/"),
+}
+
+
+def on_config(config):
+    """The package's version, for the header (``extra.version``)."""
+    from nefl_zoo import __version__
+
+    config.extra["version"] = __version__
+    return config
 
 DIRECTIVE = re.compile(r"^<!--\s*generate:\s*(?P<kind>\w+)\s*(?P<args>.*?)\s*-->$", re.MULTILINE)
 
@@ -28,8 +58,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             return cli_reference()
         if kind == "schema" and ":" in args:
             return schema_reference(args)
+        if kind == "layers" and not args:
+            return layers_reference()
         raise ValueError(f"{page.file.src_uri}: unknown directive 'generate: {kind} {args}' "
-                         "(expected 'generate: cli' or 'generate: schema MODULE:MODEL')")
+                         "(expected 'generate: cli', 'generate: schema MODULE:MODEL' or 'generate: layers')")
 
     return DIRECTIVE.sub(generate, markdown)
 
@@ -38,9 +70,50 @@ ROLE = re.compile(r":(?:func|class|mod|data|attr|meth|exc|obj):<code>(~)?([^<]*)
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    """Docstrings' Sphinx roles as plain code (``~`` keeps the last name), ``::`` as ``:``."""
+    """Docstrings' Sphinx roles as plain code (``~`` keeps the last name), ``::`` as ``:``;
+    then the page's checks (:func:`page_problems`), each a warning."""
     html = ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html)
-    return html.replace("::</p>", ":</p>")
+    html = html.replace("::</p>", ":</p>")
+    for problem in page_problems(page.file.src_uri, html):
+        log.warning(problem)
+    return html
+
+
+PRE = re.compile(r"<pre\b[^>]*>(.*?)</pre>", re.DOTALL)
+TAG = re.compile(r"<[^>]+>")
+
+
+def page_problems(src_uri: str, content: str) -> list[str]:
+    """What is wrong with a page's rendered HTML ``content``: each code block line wider than
+    :data:`MAX_COLUMNS`, and (outside :data:`DEVELOPER_SECTION`) each match of :data:`HISTORY`."""
+    problems = []
+    for block in PRE.findall(content):
+        for line in html.unescape(TAG.sub("", block)).splitlines():
+            if len(line) > MAX_COLUMNS:
+                problems.append(f"{src_uri}: a code line of {len(line)} columns (at most {MAX_COLUMNS}): {line.strip()[:60]!r}")
+    if not src_uri.startswith(DEVELOPER_SECTION):
+        text = html.unescape(TAG.sub(" ", content))
+        for what, pattern in HISTORY.items():
+            for match in pattern.finditer(text):
+                context = " ".join(text[max(0, match.start() - 30):match.end() + 30].split())
+                problems.append(f"{src_uri}: {what} on a user page: ...{context}...")
+    return problems
+
+
+# ---- the package's layers, from pyproject.toml ---------------------------------------------------
+def layers_reference() -> str:
+    """The package's parts, highest first: each one's job and the parts it imports, as declared
+    in ``[tool.nefl-zoo.structure]`` of ``pyproject.toml`` (read by ``tools/structure.py``)."""
+    tools = Path(__file__).resolve().parent
+    sys.path.insert(0, str(tools))
+    try:
+        structure = import_module("structure")
+    finally:
+        sys.path.pop(0)
+    layout = structure.read_layout(tools.parent / "pyproject.toml")
+    rows = [f"| `{part.name}` | {part.job} | {', '.join(f'`{name}`' for name in part.imports) or 'nothing'} |"
+            for part in reversed(layout.parts.values())]
+    return "| part | its job | imports |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
 # ---- the CLI, from the typer app ----------------------------------------------------------------
@@ -127,6 +200,11 @@ def schema_reference(target: str) -> str:
     return "\n\n".join(_model_table(title, nodes[title], key) for title, key in found_at.items()) + "\n"
 
 
+# A docstring's first Google section (pydantic takes a model's docstring as its description):
+# the tables show the text before it; the Python API pages show the rest.
+SECTION = re.compile(r"^(?:Args|Attributes|Examples?|Raises|Returns|Yields):[ \t]*$", re.MULTILINE)
+
+
 def _model_table(title: str, node: dict, key: str) -> str:
     required = set(node.get("required", ()))
     rows = []
@@ -134,7 +212,7 @@ def _model_table(title: str, node: dict, key: str) -> str:
         default = "required" if field in required else (f"`{json.dumps(spec['default'])}`" if "default" in spec else "")
         rows.append(f"| `{field}` | {_type(spec)} | {default} | {_cell_text(spec.get('description', ''))} |")
     extra = "" if node.get("additionalProperties", True) else "\n\nOther keys are refused."
-    description = node.get("description", "").strip()
+    description = SECTION.split(node.get("description", ""), 1)[0].strip()
     head = f"### {title}\n\n" + (f"At `{key}`. " if key else "") + (f"{description}\n\n" if description else "\n\n")
     if not rows:
         return head + "No fields." + extra

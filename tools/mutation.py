@@ -15,7 +15,7 @@ surviving mutants of each module are printed right after its run::
     python tools/mutation.py nefl_zoo.fl.aggregate    # one module
     python tools/mutation.py nefl_zoo.runtime.tiers MUTANT...   # only these mutants of it, again
     python tools/mutation.py --sample 120 nefl_zoo.fl.batched   # 120 of its mutants, drawn with seed 0
-    python tools/mutation.py --children 2 nefl_zoo.nest.ids     # two mutants at once (one per core)
+    python tools/mutation.py --children 2 nefl_zoo.nesting.ids     # two mutants at once (one per core)
 
 ``--sample N [--seed S]`` scores a module whose full run would not fit in a session: N of its
 mutants drawn at random (``random.Random(S)``, from the sorted names), the same N for the same
@@ -72,7 +72,7 @@ def drop_plain_copies() -> None:
 
 def own_mutants(module: str) -> list[str]:
     """mutmut's name patterns for the mutants of ``module``'s own functions and methods: a
-    package's ``__init__.py`` (``nefl_zoo.nest``) without those of its submodules."""
+    package's ``__init__.py`` (``nefl_zoo.nesting``) without those of its submodules."""
     return [f"{module}.x_*", f"{module}.xǁ*"]
 
 

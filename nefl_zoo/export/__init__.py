@@ -22,10 +22,12 @@ One job per module:
     precisions  one tier's files at every precision: checked, measured, timed together
     staging     the locked staging folder, and publishing files and manifest
     tiers       export_tiers: the above for every tier
+    mobile      an export's nested models in onnxruntime's ORT format (``convert-ort``)
 """
 
 from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
 from ..runtime.latency import machine_description
+from .mobile import convert_to_ort
 from .onnx_file import (
     INPUT_NAME,
     MIN_OPSET,
@@ -55,6 +57,7 @@ __all__ = [
     "check_global_state",
     "check_parity",
     "check_single_file",
+    "convert_to_ort",
     "export_tiers",
     "fold_batchnorm",
     "load_run_dir",

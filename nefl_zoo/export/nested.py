@@ -290,6 +290,32 @@ def _requantized_bias(node, producers, arrays, fp32_arrays, x_dq, weight_scale) 
     return {b_name: np.round(bias.astype(np.float64) / scale).astype(np.int32), b_scale_name: scale}
 
 
+def _fp32_slices(fp32_arrays: Mapping[str, np.ndarray], slice_map: SliceMap, factors: Mapping[str, torch.Tensor],
+                 fp32_shared: SharedTensors) -> dict[str, tuple[Slice, dict[str, np.ndarray]]]:
+    """The initializers of a tier's FP32 model that are slices of the shared tensors, with their cuts."""
+    return {n: found for n, a in fp32_arrays.items()
+            if (found := _fp32_slice(n, a, slice_map, factors, fp32_shared) or _transposed_slice(n, a, slice_map, fp32_shared))}
+
+
+def shared_int8_model(model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[str, torch.Tensor],
+                      shared: SharedTensors, fp32_shared: SharedTensors, fp32_model: onnx.ModelProto) -> onnx.ModelProto:
+    """The tier's INT8 ``model`` (tensor names as exported) with the quantization a nested model
+    gives it: every weight the INT8 rule above traces is the tier's region of the shared int8
+    tensor, with its scale and its layer's bias rewritten for it; the rest is unchanged. A
+    per-tier INT8 file and the tier of a nested model are then one quantization (tracing such a
+    model again gives the same entry)."""
+    arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    fp32_arrays = {t.name: numpy_helper.to_array(t) for t in fp32_model.graph.initializer}
+    slices = _int8_slices(model, arrays, _fp32_slices(fp32_arrays, slice_map, factors, fp32_shared), fp32_arrays, shared)
+    for name, (cut, tier) in slices.items():
+        arrays[name] = materialize(cut, shared.arrays, tier)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for tensor in out.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(np.asarray(arrays[tensor.name], order="C"), tensor.name))
+    return out
+
+
 def nested_entry(name: str, model: onnx.ModelProto, slice_map: SliceMap, factors: Mapping[str, torch.Tensor],
                  shared: SharedTensors, fp32_shared: SharedTensors, fp32_model: onnx.ModelProto) -> NestedEntry:
     """The nested entry of tier ``name`` at ``shared.precision`` from its self-contained
@@ -297,8 +323,7 @@ def nested_entry(name: str, model: onnx.ModelProto, slice_map: SliceMap, factors
     tier's ``fp32_model`` and the FP32 shared tensors ``fp32_shared``."""
     arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     fp32_arrays = {t.name: numpy_helper.to_array(t) for t in fp32_model.graph.initializer}
-    fp32 = {n: found for n, a in fp32_arrays.items()
-            if (found := _fp32_slice(n, a, slice_map, factors, fp32_shared) or _transposed_slice(n, a, slice_map, fp32_shared))}
+    fp32 = _fp32_slices(fp32_arrays, slice_map, factors, fp32_shared)
     if shared.precision == "fp32":
         slices = fp32
     elif shared.precision == "int8":

@@ -186,13 +186,13 @@ class _Branch:
         if cut.transpose:
             value = self._node("Transpose", [value], self.prefix + step + "transposed", perm=[1, 0])
             shape = shape[::-1]
+        if self.half_weights:  # before the Pad: onnxruntime's CPU provider folds no half-precision Pad
+            value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
         if cut.pad is not None and list(cut.pad) != shape:
             pads = np.array([0] * len(shape) + [p - n for p, n in zip(cut.pad, shape)], np.int64)
             value = self._node("Pad", [value, self._index(pads)], self.prefix + step + "pad")
         if value == cut.shared:  # the whole tensor: a one-input Concat, folded into a constant of the branch
             value = self._node("Concat", [value], self.prefix + step + "whole", axis=0)
-        if self.half_weights:
-            value = self._node("Cast", [value], self.prefix + step + "float32", to=TensorProto.FLOAT)
         self.nodes[-1].output[0] = self._local[cut.name] = self.prefix + cut.name  # the last step makes the tier's tensor
 
 

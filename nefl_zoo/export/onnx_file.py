@@ -29,14 +29,35 @@ _EXPORT_LOCK = threading.Lock()  # the registry is swapped in for one export at 
 
 
 def tier_filename(name: str) -> str:
-    """A file name for a tier: its name with anything but ``[A-Za-z0-9._-]`` replaced."""
+    """A file name for a tier: its name with anything but ``[A-Za-z0-9._-]`` replaced.
+
+    Args:
+        name: the tier's name.
+
+    Returns:
+        ``NAME.onnx``, safe on every file system.
+
+    Examples:
+        >>> from nefl_zoo.export import tier_filename
+        >>> tier_filename("g0.2"), tier_filename("tier 1/2")
+        ('g0.2.onnx', 'tier_1_2.onnx')
+    """
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".onnx"
 
 
 def write_onnx(
     module: nn.Module, path: Path, input_size: tuple[int, ...], example_batch: int, batch_dynamic: bool, opset: int | None
 ) -> None:
-    """``torch.onnx.export`` through torch.export, weights inside the one file."""
+    """``torch.onnx.export`` through torch.export, weights inside the one file.
+
+    Args:
+        module: the module to export, in eval mode.
+        path: the ``.onnx`` file to write.
+        input_size: one input's shape, ``(C, H, W)``.
+        example_batch: the batch of the example input that is traced.
+        batch_dynamic: export the batch dimension as dynamic.
+        opset: the ONNX opset (``None``: the exporter's default).
+    """
     example = torch.randn(example_batch, *input_size)
     dynamic_shapes = ({0: torch.export.Dim("batch")},) if batch_dynamic else None
     with _EXPORT_LOCK, reused_torchlib_registry():
@@ -103,7 +124,14 @@ def onnx_latency_ms(module: nn.Module, input_size: tuple[int, ...], batch: int, 
 
 def activation_bytes_per_sample(model: onnx.ModelProto) -> int:
     """Largest single-node working set (its activation inputs plus outputs, weights excluded)
-    for one sample, from ONNX shape inference (symbolic dimensions counted as 1)."""
+    for one sample, from ONNX shape inference (symbolic dimensions counted as 1).
+
+    Args:
+        model: the ONNX model.
+
+    Returns:
+        The working set, in bytes.
+    """
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
     weights = {t.name for t in graph.initializer}

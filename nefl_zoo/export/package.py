@@ -32,7 +32,7 @@ from ..runtime.nested import TierSession
 from ..runtime.session import MAX_TIER_BYTES, session_from_bytes
 from ..slim.slicemap import SliceMap
 from .data import ExportImages
-from .nested import NestedEntry, SharedTensors, fold_factors, nested_entry
+from .nested import NestedEntry, SharedTensors, nested_entry
 from .nested_model import nested_model
 from .precisions import PrecisionFile, tier_logits
 from .verify import ExportError, check_agreement, tolerance_for
@@ -54,24 +54,23 @@ class NestedFile:
 class PackageWriter:
     """The nested models of one export, entry by entry, then one file per precision."""
 
-    def __init__(self, global_state: Mapping[str, torch.Tensor], precisions: list[str], threads: int | None,
+    def __init__(self, shared: Mapping[str, SharedTensors], precisions: list[str], threads: int | None,
                  fixed_batch: int | None):
-        self.fp32 = SharedTensors("fp32", global_state)
-        self.shared = {p: self.fp32 if p == "fp32" else SharedTensors(p, global_state) for p in precisions}
+        self.fp32, self.shared = shared["fp32"], shared
         self.threads, self.fixed_batch = threads, fixed_batch
         self.entries: dict[str, list[NestedEntry]] = {p: [] for p in precisions}
         self.checks: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # label -> (inputs, verified logits)
 
-    def add(self, name: str, module: torch.nn.Module, slice_map: SliceMap, files: list[PrecisionFile],
+    def add(self, name: str, factors: Mapping[str, torch.Tensor], slice_map: SliceMap, files: list[PrecisionFile],
             x: np.ndarray, images: ExportImages | None, warn: Callable[[str], None]) -> list[PrecisionFile]:
-        """The entries of one tier's verified ``files`` (FP32 first) that pass their check:
-        each a :class:`PrecisionFile` whose session and logits are its one-tier nested model's."""
-        factors = fold_factors(module)
+        """The entries of one tier's verified ``files`` (FP32 first) at the precisions shipped
+        that pass their check: each a :class:`PrecisionFile` whose session and logits are its
+        one-tier nested model's (``factors``: :func:`~.nested.fold_factors` of the tier's module)."""
         fp32_model = onnx.load_model_from_string(files[0].data)
         inputs = images.test if images is not None else x
         reference = files[0].logits if files[0].logits is not None else tier_logits(files[0].session, x, self.fixed_batch)
         kept = []
-        for file in files:
+        for file in (f for f in files if f.precision in self.entries):
             model = fp32_model if file.precision == "fp32" else onnx.load_model_from_string(file.data)
             shared = self.shared[file.precision]
             entry = nested_entry(name, model, slice_map, factors, shared, self.fp32, fp32_model)

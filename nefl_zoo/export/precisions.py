@@ -66,10 +66,12 @@ def precision_files(
     threads: int | None,
     warn: Callable[[str], None],
     keep_names: bool = False,
+    int8_weights: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
 ) -> list[PrecisionFile]:
     """The tier's FP32 file and its versions at the other ``precisions`` that pass the check
     against it, each written to ``staging`` (``keep_names``: with the exporter's tensor names,
-    see :func:`~.quantize.compact`); with ``images``, each with its test logits."""
+    see :func:`~.quantize.compact`; ``int8_weights``: rewrites the quantized INT8 model, see
+    :func:`~.nested.shared_int8_model`); with ``images``, each with its test logits."""
     fp32 = dataclasses.replace(fp32, data=fp32_data)
     if images is None:
         return [fp32]
@@ -80,7 +82,7 @@ def precision_files(
             continue
         calibration = None
         if precision == "int8":
-            data = quantize_int8(fp32_data, images.calibration, fixed_batch, rename=not keep_names)
+            data = quantize_int8(fp32_data, images.calibration, fixed_batch, rename=not keep_names, weights=int8_weights)
             calibration = Calibration(method=INT8_METHOD, images=len(images.calibration), source=images.calibration_source)
         else:
             data = to_fp16(fp32_data, rename=not keep_names)

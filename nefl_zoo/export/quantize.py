@@ -17,7 +17,7 @@ import logging
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -28,10 +28,12 @@ INT8_METHOD = "onnxruntime quantize_static, QDQ, per-channel int8 weights, uint8
 CALIBRATION_BATCH = 32
 
 
-def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None, rename: bool = True) -> bytes:
+def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None, rename: bool = True,
+                  weights: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None) -> bytes:
     """The serialized INT8 (QDQ) model of the FP32 model ``fp32``, calibrated on ``images``
     (fed in batches of ``fixed_batch`` for a fixed-batch model, the last one dropped if
-    short, else of :data:`CALIBRATION_BATCH`); ``rename``: see :func:`compact`."""
+    short, else of :data:`CALIBRATION_BATCH`); ``weights`` rewrites the quantized model (tensor
+    names as exported) before it is compacted (``rename``: see :func:`compact`)."""
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     size = fixed_batch or CALIBRATION_BATCH
@@ -54,6 +56,8 @@ def quantize_int8(fp32: bytes, images: np.ndarray, fixed_batch: int | None, rena
             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
         )
         model = onnx.load(str(out))
+    if weights is not None:
+        model = weights(model)
     return compact(model, rename).SerializeToString()
 
 

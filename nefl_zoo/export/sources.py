@@ -36,7 +36,18 @@ DATASETS = tuple(NORMALIZATION)  # datasets whose input normalisation is known (
 
 @dataclass
 class ExportSource:
-    """What to export: the compiled spec, the global state and what the source measured."""
+    """What to export: the compiled spec, the global state and what the source measured.
+
+    :func:`load_source` makes one from a spec or a run directory.
+
+    Attributes:
+        compiled: the compiled spec.
+        global_state: the global state the tiers are cut from.
+        description: what it is, for the manifest's ``source``.
+        accuracy: each tier's test accuracy, when the source measured it.
+        dataset: the dataset the source was trained on, when known.
+        data: a run's ``data`` config section (how its images are loaded).
+    """
 
     compiled: CompiledSpec
     global_state: dict[str, torch.Tensor]
@@ -48,8 +59,28 @@ class ExportSource:
 
 def load_source(source: str | Path, pretrained: str | None = None, seed: int = 0) -> ExportSource:
     """A run directory (see the module docstring), or a spec file or shipped spec name
-    (``resnet56/nefl-d``) with random (seeded) or ``pretrained`` weights. Problems are
-    ``ValueError``/``SpecError``/``FileNotFoundError`` naming the file."""
+    (``resnet56/nefl-d``) with random (seeded) or ``pretrained`` weights.
+
+    Args:
+        source: a run directory, a spec file, or a shipped spec's name.
+        pretrained: weights for a spec's global model, as
+            :func:`~nefl_zoo.models.load_pretrained` takes them.
+        seed: the seed of a spec's random weights.
+
+    Returns:
+        The source: the compiled spec and its global state.
+
+    Raises:
+        ValueError: ``pretrained`` with a run directory, or a run that cannot be read.
+        SpecError: no such spec, or an invalid one.
+        FileNotFoundError: a file of the run is missing.
+
+    Examples:
+        >>> from nefl_zoo.export import load_source
+        >>> source = load_source("resnet20/nefl-w")
+        >>> list(source.compiled.tiers)
+        ['g0.2', 'g0.4', 'g0.6', 'g0.8', 'g1']
+    """
     path = Path(source)
     if path.is_dir():
         if pretrained:
@@ -72,6 +103,16 @@ def load_run_dir(path: Path) -> ExportSource:
     directory without ``checkpoint.json`` is read as the plain layout of the module docstring.
     The run's lock is held (shared) while reading: a directory that a ``train`` is writing is
     refused with a one-line error naming its PID.
+
+    Args:
+        path: the run directory.
+
+    Returns:
+        The source, with each tier's accuracy and the run's dataset.
+
+    Raises:
+        ValueError: a file that fails its hash, a state that does not fit the spec, or a
+            run another process is writing.
     """
     from ..fl.store import CHECKPOINT_JSON, RunStore
 
@@ -131,7 +172,16 @@ def _plain_run_dir(path: Path) -> ExportSource:
 
 
 def check_global_state(compiled: CompiledSpec, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Raise ``ValueError`` unless ``state`` has exactly the keys and shapes of the spec."""
+    """Raise ``ValueError`` unless ``state`` has exactly the keys and shapes of the spec.
+
+    Args:
+        compiled: the compiled spec.
+        state: a global state.
+        source: where it came from, named in the error.
+
+    Raises:
+        ValueError: a missing or unexpected key, or a shape the spec does not give it.
+    """
     expected = compiled.global_shapes()
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -146,7 +196,18 @@ def check_global_state(compiled: CompiledSpec, state: Mapping[str, torch.Tensor]
 
 def read_accuracy(path: Path, spec: SubmodelSpec) -> dict[str, float]:
     """Per-tier accuracy from the last ``metrics.jsonl`` line with an ``acc`` object ({} if none).
-    A torn last line (no line break, not valid JSON: a write cut short) is ignored."""
+    A torn last line (no line break, not valid JSON: a write cut short) is ignored.
+
+    Args:
+        path: the ``metrics.jsonl`` file.
+        spec: the run's spec (the tiers the accuracy must name).
+
+    Returns:
+        Each tier's accuracy, by name.
+
+    Raises:
+        ValueError: a line before the last that is not valid JSON.
+    """
     if not path.is_file():
         return {}
     text = path.read_text()
@@ -191,7 +252,14 @@ def read_data_section(path: Path) -> dict | None:
 
 
 def read_dataset(path: Path) -> str | None:
-    """``data.dataset`` of a run's ``config.yaml`` (``None`` when absent)."""
+    """``data.dataset`` of a run's ``config.yaml`` (``None`` when absent).
+
+    Args:
+        path: the run directory's ``config.yaml``.
+
+    Returns:
+        The dataset's name, or ``None``.
+    """
     return _dataset(read_data_section(path))
 
 

@@ -16,7 +16,14 @@ from torch import nn
 
 def fold_batchnorm(module: nn.Module) -> nn.Module:
     """A copy of an eval-mode ``module`` with every BatchNorm that alone consumes a
-    convolution's output folded into that convolution (``module`` itself if it has none)."""
+    convolution's output folded into that convolution (``module`` itself if it has none).
+
+    Args:
+        module: the module, in eval mode.
+
+    Returns:
+        The module with its BatchNorms folded; its outputs are unchanged.
+    """
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
         return module
     from torch.fx.experimental.optimization import fuse
@@ -31,8 +38,18 @@ def pad_channels(module: nn.Module, align: int) -> nn.Module:
     For networks of ``Conv2d``, ``BatchNorm2d`` and ``Linear`` layers and scalar parameters
     such as step sizes (the zoo's ResNets):
     convolutions reading the network input keep their input channels, ``Linear`` layers
-    their outputs. ``ValueError`` for any other layer with parameters (e.g. LayerNorm, whose
-    statistics padding would change) or grouped convolutions.
+    their outputs.
+
+    Args:
+        module: the module.
+        align: the multiple to pad inner channel counts to.
+
+    Returns:
+        The padded module; its outputs are unchanged.
+
+    Raises:
+        ValueError: another layer with parameters (e.g. LayerNorm, whose statistics padding
+            would change), or a grouped convolution.
     """
     for name, m in module.named_modules():
         if isinstance(m, (nn.BatchNorm2d, nn.Linear)) or (isinstance(m, nn.Conv2d) and m.groups == 1):

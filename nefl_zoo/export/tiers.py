@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -22,9 +22,12 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from .. import __version__
+from ..version import __version__
 from ..datasets import CLASS_NAMES, normalization as dataset_normalization
-from ..manifest import FORMATS, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, Normalization, OutputSpec, TierEntry
+from ..manifest import (
+    FORMATS, MANIFEST_NAME, PRECISIONS, SCHEMA_VERSION, InputSpec, Latency, Machine, Manifest, ManifestError, Normalization,
+    OutputSpec, TierEntry, load_manifest,
+)
 from ..profile import check_batch_fits, profile_tiers
 from ..runtime.latency import machine_description
 from ..timing import interleaved_median_ms
@@ -41,6 +44,7 @@ from .data import ExportImages, export_images
 from .precisions import PrecisionFile, accuracy, precision_filename, precision_files, time_files
 from ..runtime.nested import TierSession
 from .nested_model import nested_table
+from .nested import SharedTensors, fold_factors, shared_int8_model
 from .package import PackageWriter
 from .sources import ExportSource
 from .staging import publish, staging
@@ -100,12 +104,36 @@ def _alignments(module: nn.Module, channel_align: int | Literal["auto"]) -> dict
     return {1: module} if same else {1: module, block: padded}
 
 
+def recorded_alignments(manifest_path: str | Path, compiled, profiles: Mapping[str, object]) -> dict[str, tuple[int, dict[str, float]]]:
+    """The alignment ``--pad-channels auto`` chose for each tier in the export of
+    ``manifest_path`` (a ``manifest.json`` or its folder), with the timings it chose on:
+    ``{tier: (channel_align, channel_align_ms)}`` for every tier of the same model whose params
+    and MACs are those of ``profiles`` (the same tier) and whose alignment is 1 or this CPU's
+    channel block; empty when there is no readable manifest of that model."""
+    path = Path(manifest_path)
+    path = path / MANIFEST_NAME if path.is_dir() else path
+    try:
+        manifest = load_manifest(path)
+    except (ManifestError, OSError):
+        return {}
+    if (manifest.model, manifest.model_args) != (compiled.spec.model, compiled.spec.model_args):
+        return {}
+    block = cpu_channel_block()
+    return {
+        t.name: (t.channel_align, dict(t.channel_align_ms)) for t in manifest.tiers
+        if t.channel_align_ms and t.name in profiles and t.channel_align in (1, block)
+        and (t.params, t.macs) == (profiles[t.name].params, profiles[t.name].macs)
+    }
+
+
 def _export_tier(
-    name: str, module: nn.Module, input_size: tuple[int, ...], path: Path, options: _TierOptions, generator: torch.Generator
+    name: str, module: nn.Module, input_size: tuple[int, ...], path: Path, options: _TierOptions, generator: torch.Generator,
+    recorded: tuple[int, dict[str, float]] | None = None,
 ) -> _ExportedTier:
     """Fold, pad, export, check against ``module`` with onnxruntime and time one tier; with
     ``channel_align="auto"`` both alignments are exported and timed, interleaved, and the
-    faster file is kept at ``path``."""
+    faster file is kept at ``path``, unless a choice was ``recorded`` for the tier (see
+    :func:`recorded_alignments`): then that alignment is exported and its timings kept."""
     x = torch.randn(options.batch + 1 if options.batch_dynamic else options.batch, *input_size, generator=generator)
     with torch.no_grad():
         reference = module(x)
@@ -114,7 +142,8 @@ def _export_tier(
     optimized = folded if batchnorm_folded else module
     example_batch = max(2, options.batch) if options.batch_dynamic else options.batch
     variants = {}
-    for align, variant in _alignments(optimized, options.channel_align).items():
+    wanted = recorded[0] if recorded is not None and options.channel_align == "auto" else options.channel_align
+    for align, variant in _alignments(optimized, wanted).items():
         file = path if align == 1 or options.channel_align != "auto" else path.with_name(f"{path.stem}.align{align}.onnx")
         write_onnx(variant, file, input_size, example_batch, options.batch_dynamic, options.opset)
         data = file.read_bytes()  # read once: these bytes are checked, hashed and verified
@@ -136,9 +165,13 @@ def _export_tier(
         median_ms=runs[align], batch=options.batch, runs=options.latency_runs, threads=options.threads,
         machine=options.machine,
     )
+    if options.channel_align != "auto":
+        tried = None
+    else:
+        tried = recorded[1] if recorded is not None else {str(a): ms for a, ms in runs.items()}
     return _ExportedTier(
         data, session, sha256, opset, int(reference.shape[1]), batchnorm_folded, diff, activation_bytes_per_sample(model), latency,
-        align, {str(a): ms for a, ms in runs.items()} if options.channel_align == "auto" else None, x.numpy(),
+        align, tried, x.numpy(),
     )
 
 
@@ -160,10 +193,19 @@ def export_tiers(
     calibration_images: int = CALIBRATION_IMAGES,
     warn: Callable[[str], None] | None = None,
     format: str = "files",
+    alignments_from: str | Path | None = None,
 ) -> Manifest:
     """Export, verify and time the ``tiers`` (default: all) of ``source`` into ``out_dir``.
 
     Args:
+        source: what to export (:func:`load_source`).
+        out_dir: the export folder, created if needed.
+        tiers: the tiers to export, by name (default: all).
+        opset: the ONNX opset (default: the exporter's).
+        batch_dynamic: export the batch dimension as dynamic.
+        latency_runs: timed runs per file (the median is recorded).
+        calibration_source: what ``calibration`` is, for the manifest.
+        calibration_images: how many training images of a run INT8 is calibrated on.
         dataset: recorded with its normalisation when one of :data:`DATASETS` and its class
             names when known (default: the source's dataset).
         batch: the batch the latency is measured at; with ``batch_dynamic=False`` also the
@@ -174,7 +216,12 @@ def export_tiers(
             (:func:`pad_channels`): same outputs, faster CPU kernels for odd widths, larger
             files; the manifest's params and MACs stay the tier's own. ``"auto"``: each tier
             is exported plain and padded to :func:`cpu_channel_block`, both are timed
-            (interleaved) and the faster is kept; the manifest records both latencies.
+            (interleaved) and the faster is kept; the manifest records the choice and both
+            latencies (``channel_align``, ``channel_align_ms``), and a later ``"auto"`` export
+            reuses the recorded choice instead of timing again (:func:`recorded_alignments`),
+            so that exporting the same source twice gives the same files.
+        alignments_from: the ``manifest.json`` (or its folder) whose recorded ``"auto"``
+            choices are reused (default: ``out_dir``'s, when there is one).
         precisions: the files shipped per tier, of ``fp32``, ``int8`` and ``fp16``; INT8 and
             FP16 files are made from the FP32 file and dropped with a warning when they fail
             the check against it (:mod:`.precisions`).
@@ -182,15 +229,26 @@ def export_tiers(
             named by ``calibration_source``; default: ``calibration_images`` training images
             of a run source.
         warn: called with each warning (default: logged).
-        format: ``files`` (one self-contained file per tier and precision) or ``nested`` (one
-            package: the shared tensors once per precision, per entry a weights-free graph
-            and its per-tier tensors; :mod:`.package`, :mod:`nefl_zoo.runtime.nested`).
+        format: ``files`` (one self-contained file per tier and precision) or ``nested``
+            (one standard ``.onnx`` file per precision holding every tier, the shared
+            tensors once; :mod:`.nested_model`, :mod:`nefl_zoo.runtime.nested`).
 
     A run source's test split (when its data loads) gives every file's accuracy and the
     images the check uses. Files are written to a staging directory and moved into place
     only when every tier passed, the manifest last (via a temporary file), so a failed export
-    never leaves a manifest that does not match its files. Raises :class:`ExportError` when
-    onnxruntime and PyTorch differ by more than ``ATOL * max(1, max |logit|)``.
+    never leaves a manifest that does not match its files.
+
+    Returns:
+        The manifest written to ``out_dir/manifest.json``.
+
+    Raises:
+        ExportError: onnxruntime and PyTorch differ by more than
+            ``ATOL * max(1, max |logit|)``, or no quantized file passed its check.
+        KeyError: an unknown tier.
+        ValueError: an invalid setting (precisions, batch, opset, format), INT8 without
+            calibration images, or an ``out_dir`` that is a file.
+
+    The quickstart of the documentation exports a tier with it, and runs the file.
     """
     compiled = source.compiled
     names = list(tiers) if tiers else list(compiled.tiers)
@@ -222,10 +280,15 @@ def export_tiers(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir}: is a file; export writes a folder (tier files and manifest.json)")
+    if alignments_from is not None and not Path(alignments_from).exists():
+        raise ValueError(f"{alignments_from}: no such manifest or export folder (the alignments to reuse)")
+    recorded = recorded_alignments(alignments_from or out_dir, compiled, profiles) if channel_align == "auto" else {}
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     fixed_batch = None if batch_dynamic else batch
-    package = PackageWriter(source.global_state, precisions, threads, fixed_batch) if format == "nested" else None
+    # one quantization for both formats: a per-tier INT8 file has the int8 weights its nested tier has
+    shared = {p: SharedTensors(p, source.global_state) for p in dict.fromkeys(("fp32", *precisions))}
+    package = PackageWriter(shared, precisions, threads, fixed_batch) if format == "nested" else None
     normalization = dataset_normalization(dataset, compiled.input_size[0]) if dataset else None
     input_spec = InputSpec(
         name=INPUT_NAME,
@@ -239,13 +302,20 @@ def export_tiers(
         made = []  # (file, what its tier's export measured, its accuracy)
         for name in names:
             module = compiled[name].load(source.global_state).eval()
-            exported = _export_tier(name, module, compiled.input_size, folder / files[name], options, generator)
+            exported = _export_tier(name, module, compiled.input_size, folder / files[name], options, generator, recorded.get(name))
             fp32 = PrecisionFile("fp32", files[name], exported.sha256, exported.session, exported.activation_bytes_per_sample)
+            slice_map = compiled[name].slice_map
+            factors = fold_factors(module) if package is not None or "int8" in precisions else {}
+            int8_weights = functools.partial(
+                shared_int8_model, slice_map=slice_map, factors=factors, shared=shared.get("int8"), fp32_shared=shared["fp32"],
+                fp32_model=onnx.load_model_from_string(exported.data),
+            ) if "int8" in precisions else None
             shipped = precision_files(
-                name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn, keep_names=package is not None
+                name, fp32, exported.data, precisions, images, folder, fixed_batch, threads, warn, keep_names=package is not None,
+                int8_weights=int8_weights,
             )
             if package is not None:
-                shipped = package.add(name, module, compiled[name].slice_map, shipped, exported.inputs, images, warn)
+                shipped = package.add(name, factors, slice_map, shipped, exported.inputs, images, warn)
             shipped = [f for f in shipped if f.precision in precisions]
             latencies = {"fp32": exported.latency.median_ms}
             if package is None and any(f.precision != "fp32" for f in shipped):  # the files shipped, in alternation

@@ -33,7 +33,20 @@ class ExportError(RuntimeError):
 
 
 def tolerance_for(reference: torch.Tensor) -> float:
-    """The largest difference from ``reference`` that still counts as the same output."""
+    """The largest difference from ``reference`` that still counts as the same output.
+
+    Args:
+        reference: PyTorch's output.
+
+    Returns:
+        ``ATOL * max(1, max |reference|)``.
+
+    Examples:
+        >>> import torch
+        >>> from nefl_zoo.export import tolerance_for
+        >>> tolerance_for(torch.tensor([0.5, -30.0]))
+        0.003
+    """
     return ATOL * max(1.0, float(reference.abs().max()))
 
 
@@ -49,7 +62,19 @@ def same_output(module: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> 
 
 def check_single_file(name: str, model: onnx.ModelProto, opset: int | None) -> int:
     """The opset ``model`` was written with; :class:`ExportError` when its weights live in
-    external files or it is not the ``opset`` asked for."""
+    external files or it is not the ``opset`` asked for.
+
+    Args:
+        name: the tier's name, for the error.
+        model: the exported model.
+        opset: the opset asked for (``None``: any).
+
+    Returns:
+        The model's opset.
+
+    Raises:
+        ExportError: external data, or another opset.
+    """
     external = external_tensors(model.SerializeToString())
     if external:
         raise ExportError(f"tier {name}: the exporter wrote tensor {external[0]} as external data; expected one file")
@@ -66,7 +91,20 @@ def hashed_session(model: bytes, source: str, threads: int | None) -> tuple[str,
 
 def check_parity(name: str, session: ort.InferenceSession, x: torch.Tensor, reference: torch.Tensor) -> float:
     """onnxruntime's largest difference from ``reference`` on input ``x``;
-    :class:`ExportError` when it exceeds :func:`tolerance_for`."""
+    :class:`ExportError` when it exceeds :func:`tolerance_for`.
+
+    Args:
+        name: the tier's name, for the error.
+        session: the exported file's session.
+        x: the input.
+        reference: PyTorch's output on ``x``.
+
+    Returns:
+        The largest absolute difference.
+
+    Raises:
+        ExportError: the difference exceeds the tolerance.
+    """
     diff = max_abs_diff(torch.from_numpy(session.run(None, {INPUT_NAME: x.numpy()})[0]), reference)
     tolerance = tolerance_for(reference)
     if not diff <= tolerance:

@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Update:
-    """One client's returned tensors, where they live globally and the client's weight."""
+    """One client's returned tensors, where they live globally and the client's weight.
+
+    Attributes:
+        entries: where each returned tensor lives in the global state (a slice map).
+        state: the returned tensors, by the submodel's keys.
+        weight: the client's weight in the average.
+        client: the client's id, for logs and rejections.
+    """
 
     entries: Mapping[str, SliceEntry]
     state: Mapping[str, torch.Tensor]
@@ -37,7 +44,14 @@ class Update:
 
 
 def check_update(update: Update) -> str | None:
-    """Why ``update`` cannot be aggregated (missing/extra keys, wrong shape, NaN/Inf), or ``None``."""
+    """Why ``update`` cannot be aggregated (missing/extra keys, wrong shape, NaN/Inf), or ``None``.
+
+    Args:
+        update: a client's update.
+
+    Returns:
+        The reason, in one line, or ``None`` when it can be aggregated.
+    """
     if not (math.isfinite(update.weight) and update.weight > 0):
         return f"weight {update.weight} is not a positive number"
     missing = update.entries.keys() - update.state.keys()
@@ -59,7 +73,13 @@ def check_update(update: Update) -> str | None:
 class Sums:
     """Updates in global coordinates: per global key, the weighted sum of the values the accepted
     updates hold (``total``) and the summed weight per element (``weight``, zero where no update
-    holds the element). A client's own :class:`Sums` is what secure aggregation adds up."""
+    holds the element). A client's own :class:`Sums` is what secure aggregation adds up.
+
+    Attributes:
+        total: per global key, the weighted sum of the updates' values.
+        weight: per global key, the summed weight of each element.
+        rejected: ``(client, reason)`` of each update left out.
+    """
 
     total: dict[str, torch.Tensor] = field(default_factory=dict)
     weight: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -71,6 +91,14 @@ def accumulate(global_state: Mapping[str, torch.Tensor], updates: list[Update], 
 
     Updates that fail :func:`check_update` are logged, listed in ``rejected`` and left out.
     Sums are float64 for integer tensors and the tensor's own dtype otherwise.
+
+    Args:
+        global_state: the global state (for the shapes).
+        updates: the clients' updates.
+        sums: sums to add to (new ones when ``None``).
+
+    Returns:
+        The sums, with these updates added.
     """
     sums = Sums() if sums is None else sums
     for update in updates:
@@ -93,7 +121,15 @@ def accumulate(global_state: Mapping[str, torch.Tensor], updates: list[Update], 
 
 def weighted_mean(global_state: Mapping[str, torch.Tensor], sums: Sums) -> dict[str, torch.Tensor]:
     """The new global state from ``sums``: each element's weighted mean where some update held
-    it, its previous value elsewhere (integer tensors rounded). Untouched keys keep their objects."""
+    it, its previous value elsewhere (integer tensors rounded). Untouched keys keep their objects.
+
+    Args:
+        global_state: the previous global state.
+        sums: the round's sums (:func:`accumulate`).
+
+    Returns:
+        The new global state.
+    """
     new_state = dict(global_state)
     for gk, total in sums.total.items():
         count = sums.weight[gk]
@@ -114,6 +150,29 @@ def nefedavg(
     Returns ``(new_state, rejected)`` where ``rejected`` lists ``(client, reason)`` for updates
     that failed :func:`check_update` (they are logged and left out; the round goes on). Tensors no
     update touches are returned as the same objects; touched ones are new tensors.
+
+    Args:
+        global_state: the previous global state.
+        updates: the clients' updates.
+
+    Returns:
+        ``(new_state, rejected)``.
+
+    Examples:
+        Two clients hold a 4-element tensor: one its first two elements, one all of it. The
+        first two elements are averaged over both, the last two come from the second alone:
+
+        >>> import torch
+        >>> from nefl_zoo.fl import Update, nefedavg
+        >>> from nefl_zoo.slim import SliceEntry
+        >>> state = {"w": torch.zeros(4)}
+        >>> half = {"w": SliceEntry("w", (slice(0, 2),), (2,), "weight", True)}
+        >>> whole = {"w": SliceEntry("w", (slice(0, 4),), (4,), "weight", True)}
+        >>> updates = [Update(half, {"w": torch.tensor([2.0, 2.0])}, client="a"),
+        ...            Update(whole, {"w": torch.tensor([4.0, 4.0, 4.0, 4.0])}, client="b")]
+        >>> new, rejected = nefedavg(state, updates)
+        >>> new["w"], rejected
+        (tensor([3., 3., 4., 4.]), [])
     """
     sums = accumulate(global_state, updates)
     return weighted_mean(global_state, sums), sums.rejected

@@ -20,7 +20,13 @@ from .strategy import Reply
 
 @dataclass
 class ClientResult:
-    """What local training produced: the trained tensors, the sample count and metrics."""
+    """What local training produced: the trained tensors, the sample count and metrics.
+
+    Attributes:
+        state: the trained tensors, on the CPU.
+        num_samples: the client's training samples.
+        metrics: the mean loss, the training accuracy and, compiled, ``compile_s``.
+    """
 
     state: dict[str, torch.Tensor]
     num_samples: int
@@ -28,7 +34,14 @@ class ClientResult:
 
     def reply(self, level: str | None) -> Reply:
         """The reply of a client of ``level`` that trained: its state, sample count, mean loss,
-        training accuracy and, compiled, ``compile_s``."""
+        training accuracy and, compiled, ``compile_s``.
+
+        Args:
+            level: the tier the client trained.
+
+        Returns:
+            The reply to send the server.
+        """
         metrics = {k: self.metrics[k] for k in ("accuracy", "compile_s") if k in self.metrics}
         return Reply(self.state, metrics, num_samples=self.num_samples,
                      loss=self.metrics["loss"], level=level)
@@ -39,6 +52,21 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
 
     ``step``: x0.1 from T/2 and again from 3T/4 (the paper's); ``cosine``: linear warm-up over
     ``warmup_rounds`` then cosine decay to 0; ``constant``.
+
+    Args:
+        cfg: the local training settings (``lr``, ``schedule``, ``warmup_rounds``).
+        round_index: the round, from 0.
+        rounds: the run's rounds, T.
+
+    Returns:
+        The learning rate.
+
+    Examples:
+        >>> from nefl_zoo.fl import learning_rate
+        >>> from nefl_zoo.fl.settings import TrainConfig
+        >>> step = TrainConfig(lr=0.1, schedule="step")
+        >>> [round(learning_rate(step, r, 8), 4) for r in range(8)]
+        [0.1, 0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001]
     """
     if cfg.schedule == "step":
         return cfg.lr * 0.1 ** ((round_index >= rounds / 2) + (round_index >= 3 * rounds / 4))
@@ -60,6 +88,14 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     global RNG state is left untouched, so results do not depend on what ran before. ``local``
     is moved to the device; the returned state is on the CPU. Compiled, the metrics hold
     ``compile_s``: the seconds of this client's steps that compiled a structure.
+
+    Args:
+        local: the client's model, as its method builds it.
+        dataset: the client's training data.
+        config: the instruction's training settings.
+
+    Returns:
+        The trained tensors, the sample count and the metrics.
     """
     where = placement()
     seed, grad_clip = int(config["seed"]), config.get("grad_clip")
@@ -118,7 +154,16 @@ def training_batches(dataset: Dataset, config: Mapping, device: torch.device) ->
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> float:
     """Top-1 accuracy of ``model`` (in eval mode, moved to the current placement's device) on
-    ``dataset``."""
+    ``dataset``.
+
+    Args:
+        model: the model.
+        dataset: ``(image, label)`` pairs.
+        batch_size: images per batch.
+
+    Returns:
+        The share of images whose top class is the label (0 for an empty dataset).
+    """
     where = placement()
     model.to(where.device).eval()
     correct = total = 0

@@ -41,7 +41,23 @@ MOVED = {("train", "kd"): "method_args.kd (method: fjord)",
 
 class RunConfig(Strict):
     """A whole training run. ``spec`` is a spec file (relative to the config), a shipped spec
-    name (``resnet20/nefl-w``) or a mapping."""
+    name (``resnet20/nefl-w``) or a mapping.
+
+    Attributes:
+        name: the run's name (the default run directory is ``runs/NAME-METHOD-sSEED``).
+        rounds: the rounds to train.
+        spec: a spec file (relative to the config), a shipped spec's name or an inline spec.
+        data: the dataset and how it is split among the clients.
+        clients: the clients, the share sampled each round and their environment.
+        train: local training: epochs, batch, optimiser, schedule, device.
+        eval: evaluation: how often, on what, with which BatchNorm statistics.
+
+    Examples:
+        >>> from nefl_zoo.fl import load_config
+        >>> config = load_config("digits-quick", ["rounds=2"])
+        >>> config.method, config.rounds, config.submodel_spec().model
+        ('nefl', 2, 'resnet20')
+    """
 
     name: str = "run"
     method: str = Field("nefl", description="a registered method (`nefl-zoo methods`)")
@@ -76,7 +92,11 @@ class RunConfig(Strict):
         return self
 
     def submodel_spec(self) -> SubmodelSpec:
-        """The spec, loaded from its file or validated from the inline mapping (once)."""
+        """The spec, loaded from its file or validated from the inline mapping (once).
+
+        Returns:
+            The validated spec.
+        """
         if self._spec is None:
             if isinstance(self.spec, dict):
                 self._spec = parse_spec(self.spec, "spec")
@@ -87,21 +107,40 @@ class RunConfig(Strict):
 
     def with_method(self, method: str, seed: int | None = None) -> "RunConfig":
         """This config for another method (its default ``method_args`` unless it is this
-        config's own method) and optionally another seed."""
+        config's own method) and optionally another seed.
+
+        Args:
+            method: a registered method's name.
+            seed: another seed (default: this config's).
+
+        Returns:
+            A copy of this config.
+        """
         update = {"method": method, "seed": self.seed if seed is None else seed}
         if method != self.method:
             update["method_args"] = {}
         return self.model_copy(update=update)
 
     def build_strategy(self) -> Strategy:
-        """The method's strategy object, set up from this config."""
+        """The method's strategy object, set up from this config.
+
+        Returns:
+            The strategy.
+        """
         run = Run(self.submodel_spec(), self.train, self.seed, self.rounds, self.clients.fraction, self.eval,
                   self.data.model_copy(update={"root": str(self.data_root())}), self.aggregation)
         return get_method(self.method)(run, parse_settings(self.method, self.method_args))
 
     def placement(self) -> "Placement":
         """Where clients train and models are evaluated (``train.device`` resolved on this machine,
-        ``train.precision``); a one-line :class:`ConfigError` when the device is absent."""
+        ``train.precision``).
+
+        Returns:
+            The placement.
+
+        Raises:
+            ConfigError: the device is absent, in one line.
+        """
         from .device import DeviceError, Placement
 
         try:
@@ -110,11 +149,20 @@ class RunConfig(Strict):
             raise ConfigError(self._source, "train.device", str(exc)) from None
 
     def data_root(self) -> Path:
+        """``data.root``, relative to the config's folder unless absolute.
+
+        Returns:
+            The folder the datasets are read from.
+        """
         root = Path(self.data.root)
         return root if root.is_absolute() else self._base_dir / root
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON/YAML-safe dict with the spec inlined, so a run directory is self-contained."""
+        """A JSON/YAML-safe dict with the spec inlined, so a run directory is self-contained.
+
+        Returns:
+            The config, with every default filled in.
+        """
         out = self.model_dump(mode="json")
         out["method_args"] = parse_settings(self.method, self.method_args).model_dump(mode="json")
         out["spec"] = self.submodel_spec().model_dump(mode="json", exclude_none=True)
@@ -154,7 +202,27 @@ def _format(source: str, exc: ValidationError) -> ConfigError:
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = ".") -> RunConfig:
-    """Validate a config mapping; raise :class:`ConfigError` on the first problem (the spec too)."""
+    """Validate a config mapping; raise :class:`ConfigError` on the first problem (the spec too).
+
+    Args:
+        data: the config, as a mapping (what a YAML config file holds).
+        source: where it came from, named in errors.
+        base_dir: the folder relative paths (the spec, ``data.root``) are resolved against.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: the first problem, as ``SOURCE: FIELD: what to fix``.
+
+    Examples:
+        >>> from nefl_zoo.fl import ConfigError, parse_config
+        >>> try:
+        ...     parse_config({"spec": "specs/resnet20/nefl-w.yaml", "rounds": 0})
+        ... except ConfigError as error:
+        ...     print(error)
+        <config>: rounds: Input should be greater than or equal to 1
+    """
     if not isinstance(data, dict):
         raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
     for (section, key), target in MOVED.items():
@@ -193,18 +261,36 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str | Path = "."
 
 
 def shipped_configs_dir() -> Path:
-    """The folder of the training configs shipped with nefl-zoo (``train/`` of the shipped specs)."""
+    """The folder of the training configs shipped with nefl-zoo.
+
+    Returns:
+        ``train/`` of :func:`nefl_zoo.spec.shipped_specs_dir`.
+    """
     return shipped_specs_dir() / "train"
 
 
 def shipped_configs() -> list[str]:
-    """The names of the shipped training configs (``digits-quick``, ...), sorted."""
+    """The names of the shipped training configs, which :func:`load_config` takes.
+
+    Returns:
+        The names (``digits-quick``, ...), sorted.
+    """
     return sorted(p.stem for p in shipped_configs_dir().glob("*.yaml"))
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A training config file, or the shipped config of that name (``digits-quick``: no folder,
-    no suffix); a one-line :class:`ConfigError` listing the shipped configs for an unknown name."""
+    """The file of a training config given by path or by a shipped config's name.
+
+    Args:
+        name_or_path: a config file, or a shipped config's name (no folder, no suffix:
+            ``digits-quick``).
+
+    Returns:
+        The file: ``name_or_path`` itself unless it is a shipped config's name.
+
+    Raises:
+        ConfigError: a name that is no shipped config (the line lists them).
+    """
     path = Path(name_or_path)
     if path.is_file() or path.suffix or len(path.parts) != 1:
         return path  # a file (read_yaml says what is wrong with it)
@@ -216,13 +302,24 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 
 def load_config(name_or_path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML training config (a file, or a shipped config's name: ``digits-quick``), apply
-    ``--set`` overrides and validate it.
+    """Read a YAML training config, apply ``--set`` overrides and validate it.
 
     Relative paths in the config (``spec``, ``data.root``, ``devices.trace``) are resolved
     against the config's folder; in a shipped config, ``data.root`` and ``devices.trace`` are
     resolved against the working directory instead, so that data is never looked for or
     written inside the installed package.
+
+    Args:
+        name_or_path: the config file, or a shipped config's name (``digits-quick``;
+            ``nefl-zoo configs`` lists them).
+        overrides: ``KEY=VALUE`` strings, as ``--set`` takes them (the value is YAML).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown name, a bad override or an invalid config,
+            in one line.
     """
     path = resolve_config_path(name_or_path)
     source = str(path)

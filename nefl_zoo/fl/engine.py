@@ -49,7 +49,19 @@ class RunResult:
     """The end of a run: final accuracies per submodel; the worst case (the accuracy of the
     smallest submodel, ``worst_case``, as in the NeFL paper; the minimum where the method names no
     such submodel, ``worst_case`` None), the average and the minimum over submodels; bytes moved;
-    the further metrics of the last evaluation (``TREATMENT/NAME``, see :meth:`Strategy.evaluate`)."""
+    the further metrics of the last evaluation (``TREATMENT/NAME``, see :meth:`Strategy.evaluate`).
+
+    Attributes:
+        acc: the final accuracy of each submodel.
+        worst: the worst case's accuracy.
+        avg: the mean over the submodels.
+        min: the lowest accuracy of any submodel.
+        worst_case: the submodel ``worst`` is of, or ``None``.
+        bytes_down: bytes sent to the clients over the run.
+        bytes_up: bytes the clients sent back.
+        rounds: the rounds trained.
+        extra: the further metrics of the last evaluation.
+    """
 
     acc: dict[str, float]
     worst: float
@@ -123,7 +135,14 @@ class Engine:
 
     # -- one round ---------------------------------------------------------------------
     def run_round(self, round_index: int) -> dict:
-        """Configure, train and aggregate round ``round_index`` (0-based); return its record."""
+        """Configure, train and aggregate round ``round_index`` (0-based).
+
+        Args:
+            round_index: the round, from 0.
+
+        Returns:
+            The round's record, as ``metrics.jsonl`` holds it.
+        """
         server_round = round_index + 1
         start = time.perf_counter()
         clients = self.available_clients()
@@ -170,7 +189,11 @@ class Engine:
 
     def evaluate(self) -> dict[str, float]:
         """Accuracy per submodel: the method's server-side :meth:`~Strategy.evaluate`, plus its
-        clients' evaluations on their own test splits where it configures any."""
+        clients' evaluations on their own test splits where it configures any.
+
+        Returns:
+            Each evaluation name's accuracy.
+        """
         with placed(self.placement):
             acc = self.strategy.evaluate(self.round, self.state, self.data)
             instructions = self.strategy.configure_evaluate(self.round, self.state, self.available_clients())
@@ -182,7 +205,11 @@ class Engine:
     def available_clients(self) -> list[ClientInfo]:
         """The clients that can be reached now (in process: every configured client; with
         ``devices:``, those online at the simulated time, with the levels that fit them this
-        round, :meth:`~.clock.VirtualClock.available`)."""
+        round, :meth:`~.clock.VirtualClock.available`).
+
+        Returns:
+            The clients, with the levels each may train.
+        """
         return self.clients if self.clock is None else self.clock.available(self.round, self.clients)
 
     def exchange(self, kind: str, instructions: dict[int, Instruction]) -> dict[int, Reply]:
@@ -190,7 +217,15 @@ class Engine:
         ``kind`` ``"train"`` runs :meth:`~Strategy.train` (with the client's persistent state),
         ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split.
         With ``train.parallel_clients`` > 1, clients that can train together do
-        (:func:`~nefl_zoo.fl.batched.train_clients`)."""
+        (:func:`~nefl_zoo.fl.batched.train_clients`).
+
+        Args:
+            kind: ``train`` or ``evaluate``.
+            instructions: each client's instruction, by client id.
+
+        Returns:
+            Each client's reply, by client id.
+        """
         if kind == "train" and self.config.train.parallel_clients > 1:
             return train_clients(self.strategy, instructions, self.data.client_dataset, lambda cid: self.strategy.train(
                 instructions[cid], self.data.client_dataset(cid), self.client_states.setdefault(cid, {})), self.config.train.parallel_clients)
@@ -225,6 +260,19 @@ class Engine:
 
         A fresh run refuses a directory that already holds one unless ``overwrite``. The run
         directory's lock is held until the run ends (another process gets a one-line error).
+
+        Args:
+            resume: continue from the run directory's committed checkpoint.
+            overwrite: replace a run the directory already holds.
+            observer: follows the run (a progress bar), or ``None``.
+
+        Returns:
+            The final accuracies and bytes moved.
+
+        Raises:
+            RunExistsError: the directory holds a run already (without ``overwrite``).
+            CheckpointError: a checkpoint to resume that fails its checks.
+            LockedError: another process is using the run directory.
         """
         self.store.open(create=not resume, overwrite=overwrite)
         try:
@@ -273,5 +321,15 @@ def resume_config(run_dir: str | Path) -> RunConfig:
 
 
 def train(config: RunConfig, out_dir: str | Path, overwrite: bool = False, observer: RunObserver | None = None) -> RunResult:
-    """Run one configuration into ``out_dir``."""
+    """Run one configuration into ``out_dir``: what ``nefl-zoo train`` does.
+
+    Args:
+        config: the run's configuration (:func:`~nefl_zoo.fl.load_config`).
+        out_dir: the run directory.
+        overwrite: replace a run the directory already holds.
+        observer: follows the run (a progress bar), or ``None``.
+
+    Returns:
+        The final accuracies and bytes moved; the run directory holds the rest.
+    """
     return Engine(config, out_dir).run(overwrite=overwrite, observer=observer)

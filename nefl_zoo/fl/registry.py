@@ -23,7 +23,19 @@ S = TypeVar("S", bound=type[Strategy])
 
 def register_method(name: str, label: str, settings: type[MethodSettings] = MethodSettings) -> Callable[[S], S]:
     """Class decorator: register a :class:`~nefl_zoo.fl.strategy.Strategy` under ``name`` with a
-    table ``label`` and its settings model (validated from ``method_args``)."""
+    table ``label`` and its settings model (validated from ``method_args``).
+
+    Args:
+        name: what ``method:`` and ``compare --methods`` take.
+        label: the method's row in results tables.
+        settings: the pydantic model of its ``method_args``.
+
+    Returns:
+        The decorator; it returns the class unchanged.
+
+    Raises:
+        ValueError: ``name`` is registered already.
+    """
 
     def wrap(cls: S) -> S:
         if name in _METHODS:
@@ -57,13 +69,37 @@ def _rank(cls: type[Strategy]) -> int:
 def registered_methods() -> dict[str, type[Strategy]]:
     """Every registered method by name: the built-in ones in sorted module order (within a
     module in registration order), then those registered elsewhere; the same order whatever
-    was imported first."""
+    was imported first.
+
+    Returns:
+        The methods' classes, by name.
+
+    Examples:
+        >>> from nefl_zoo.fl import registered_methods
+        >>> list(registered_methods())[:3]
+        ['depthfl', 'fedavg', 'fedavg_min']
+    """
     _discover()
     return dict(sorted(_METHODS.items(), key=lambda item: _rank(item[1])))
 
 
 def get_method(name: str) -> type[Strategy]:
-    """The method registered as ``name``; ``KeyError`` with the known names otherwise."""
+    """The method registered as ``name``.
+
+    Args:
+        name: a method's name.
+
+    Returns:
+        The method's class.
+
+    Raises:
+        KeyError: no such method; the message lists the known names.
+
+    Examples:
+        >>> from nefl_zoo.fl import get_method
+        >>> get_method("nefl").__name__
+        'NeFL'
+    """
     known = registered_methods()
     if name not in known:
         raise KeyError(f"unknown method {name!r}; one of {', '.join(known)}")

@@ -42,7 +42,7 @@ class SecureAggregation(Strict):
     reconstruction_threshold: int | float = Field(
         0.5, description="shares needed to unmask: an int >= 2 below num_shares, or a share in (0, 1] of num_shares (at least 2)")
     clipping_range: float = Field(8.0, gt=0, description="each element of a client's vector is clipped to [-c, c] before quantisation")
-    quantization_range: int = Field(2**22, gt=0, description="elements are quantised to integers in [0, Q)")
+    quantization_range: int = Field(2**22, gt=0, description="elements are quantised to integers in [0, Q] (+c becomes Q)")
     modulus_range: int = Field(2**32, description="masks and sums are modulo M: a power of 2 above quantization_range, at most 2**32")
 
     @model_validator(mode="after")

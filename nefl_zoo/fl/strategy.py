@@ -42,7 +42,13 @@ State = dict[str, torch.Tensor]
 class Instruction:
     """What the server sends one client: tensors, a flat config (``round``, ``lr``,
     ``local_epochs``, ``seed``, ...; scalars or lists of them) and the resource level (tier)
-    the client trains or evaluates at (``None``: the method has no levels)."""
+    the client trains or evaluates at (``None``: the method has no levels).
+
+    Attributes:
+        arrays: the tensors, by name.
+        config: the flat config.
+        level: the tier the client trains or evaluates at.
+    """
 
     arrays: State
     config: dict[str, ConfigValue] = field(default_factory=dict)
@@ -53,7 +59,16 @@ class Instruction:
 class Reply:
     """What a client returns: tensors, flat method-specific metrics, its sample count, mean
     training loss (``None``: it did not train) and level. ``error`` is set when the client
-    failed; the server skips such replies."""
+    failed; the server skips such replies.
+
+    Attributes:
+        arrays: the tensors, by name.
+        metrics: flat, method-specific metrics.
+        num_samples: the client's training samples.
+        loss: its mean training loss, or ``None``.
+        level: the tier it trained.
+        error: why it failed, or ``None``.
+    """
 
     arrays: State
     metrics: dict[str, ConfigValue] = field(default_factory=dict)
@@ -66,7 +81,12 @@ class Reply:
 @dataclass(frozen=True)
 class ClientInfo:
     """A client the engine can reach: its id and the resource levels (tiers of the run's spec)
-    its environment allows this round."""
+    its environment allows this round.
+
+    Attributes:
+        cid: the client's id.
+        levels: the tiers it may train this round, smallest first.
+    """
 
     cid: int
     levels: tuple[str, ...]
@@ -90,7 +110,18 @@ class Run:
     environment's resource levels), local training, the seed, the total rounds (learning-rate
     schedule), the share of clients sampled per round, the evaluation settings and the data
     section, its ``root`` resolved (FedLPS pre-trains its backbone on its held-out
-    ``public_fraction``), and the server's aggregation options (``aggregation:``)."""
+    ``public_fraction``), and the server's aggregation options (``aggregation:``).
+
+    Attributes:
+        spec: the run's spec.
+        train: local training settings.
+        seed: the run's seed.
+        rounds: the total rounds.
+        fraction: the share of clients sampled each round.
+        eval: evaluation settings.
+        data: the data section, its ``root`` resolved.
+        aggregation: the server's aggregation options.
+    """
 
     spec: SubmodelSpec
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -133,7 +164,14 @@ class MethodInfo:
 
     def summary(self, acc: Mapping[str, float]) -> dict[str, float]:
         """``worst`` (the worst-case submodel's accuracy, NaN when it was not evaluated), ``avg``
-        and ``min`` of the accuracies ``acc`` by plain name."""
+        and ``min`` of the accuracies ``acc`` by plain name.
+
+        Args:
+            acc: the accuracy of each evaluation name.
+
+        Returns:
+            ``{"worst": ..., "avg": ..., "min": ...}``.
+        """
         values = list(acc.values())
         worst = min(values) if self.worst_case is None else acc.get(self.worst_case, float("nan"))
         return {"worst": worst, "avg": float(np.mean(values)), "min": min(values)}
@@ -176,18 +214,40 @@ class Strategy(abc.ABC):
     # -- server side ---------------------------------------------------------------------
     @abc.abstractmethod
     def init_global_state(self) -> State:
-        """The initial global state (the caller seeds torch's RNG)."""
+        """The initial global state (the caller seeds torch's RNG).
+
+        Returns:
+            The global state.
+        """
 
     @abc.abstractmethod
     def configure_train(self, server_round: int, global_state: Mapping[str, torch.Tensor], clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """Choose this round's clients and the instruction each receives."""
+        """Choose this round's clients and the instruction each receives.
+
+        Args:
+            server_round: the round, from 1.
+            global_state: the current global state.
+            clients: the clients the engine can reach.
+
+        Returns:
+            Each chosen client's instruction, by client id.
+        """
 
     @abc.abstractmethod
     def aggregate_train(self, server_round: int, global_state: Mapping[str, torch.Tensor], replies: Mapping[int, Reply]) -> Aggregate:
         """Merge the clients' replies into a new global state.
 
         The previous state is an argument (not remembered between hooks) because elements no
-        reply holds keep their value."""
+        reply holds keep their value.
+
+        Args:
+            server_round: the round, from 1.
+            global_state: the previous global state.
+            replies: each client's reply, by client id.
+
+        Returns:
+            The new global state, the replies used and rejected, and the round's metrics.
+        """
 
     @abc.abstractmethod
     def evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], data) -> dict[str, float]:
@@ -195,44 +255,116 @@ class Strategy(abc.ABC):
         accuracy per name of ``info.eval_names``.
 
         Keys holding ``/`` are further metrics (not in worst/avg): e.g. ``recompute/g0.2``, a
-        submodel under one BN treatment, or ``running/ensemble``."""
+        submodel under one BN treatment, or ``running/ensemble``.
+
+        Args:
+            server_round: the round, from 1.
+            global_state: the global state to evaluate.
+            data: the run's data.
+
+        Returns:
+            The accuracy of each name.
+        """
 
     def configure_evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """Clients that evaluate on their own test split, and their instructions (none by default)."""
+        """Clients that evaluate on their own test split, and their instructions (none by default).
+
+        Args:
+            server_round: the round, from 1.
+            global_state: the current global state.
+            clients: the clients the engine can reach.
+
+        Returns:
+            Each chosen client's instruction, by client id.
+        """
         return {}
 
     def aggregate_evaluate(self, server_round: int, replies: Mapping[int, Reply]) -> dict[str, float]:
-        """Accuracy per name from the clients' evaluation replies."""
+        """Accuracy per name from the clients' evaluation replies.
+
+        Args:
+            server_round: the round, from 1.
+            replies: each client's evaluation reply, by client id.
+
+        Returns:
+            The accuracy of each name.
+        """
         return {}
 
     # -- client side ---------------------------------------------------------------------
     @abc.abstractmethod
     def train(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
         """Train on the client's ``data``. ``client_state`` persists between this client's
-        rounds (the engine keeps and checkpoints it); mutate it in place to keep tensors."""
+        rounds (the engine keeps and checkpoints it); mutate it in place to keep tensors.
+
+        Args:
+            instruction: what the server sent.
+            data: the client's training data.
+            client_state: the client's own tensors.
+
+        Returns:
+            The client's reply.
+        """
 
     def local_model(self, instruction: Instruction) -> "LocalModel | None":
         """The model :meth:`train` would fit for ``instruction`` when it does nothing else
         (:func:`~nefl_zoo.fl.client.fit`, no client state, the reply from the fit), so an engine
         may train several such clients together (``train.parallel_clients``); ``None`` (the
-        default): clients train only through :meth:`train`."""
+        default): clients train only through :meth:`train`.
+
+        Args:
+            instruction: what the server sent.
+
+        Returns:
+            The model to fit, or ``None``.
+        """
         return None
 
     def evaluate_client(self, instruction: Instruction, data: torch.utils.data.Dataset, client_state: State) -> Reply:
         """Evaluate on the client's own held-out ``data`` (for :meth:`configure_evaluate`);
-        ``client_state`` is read, not changed."""
+        ``client_state`` is read, not changed.
+
+        Args:
+            instruction: what the server sent.
+            data: the client's test split.
+            client_state: the client's own tensors.
+
+        Returns:
+            The client's reply, its metrics the accuracies.
+
+        Raises:
+            NotImplementedError: the method does not evaluate on clients.
+        """
         raise NotImplementedError(f"{self.name} does not evaluate on clients")
 
     # -- persistent server state (e.g. a server optimizer) --------------------------------
     def server_state(self) -> State:
-        """Tensors the server keeps between rounds besides the global state (checkpointed)."""
+        """Tensors the server keeps between rounds besides the global state (checkpointed).
+
+        Returns:
+            The tensors, by name (none by default).
+        """
         return {}
 
     def load_server_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore :meth:`server_state` from a checkpoint."""
+        """Restore :meth:`server_state` from a checkpoint.
+
+        Args:
+            state: the tensors :meth:`server_state` returned.
+
+        Raises:
+            ValueError: tensors for a method that keeps none.
+        """
         if state:
             raise ValueError(f"{self.name}: keeps no server state, got {sorted(state)[:3]}")
 
     def submodel_numel(self, name: str) -> int:
-        """Elements a client of ``name`` receives (``info.numel``; for summaries)."""
+        """Elements a client of ``name`` receives (``info.numel``; for summaries).
+
+        Args:
+            name: a level or evaluation name.
+
+        Returns:
+            The number of elements.
+        """
         return self.info.numel[name]

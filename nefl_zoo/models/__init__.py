@@ -6,6 +6,7 @@ from .base import NestedNet, count_params, scale_width
 from .pretrained import load_pretrained
 from .registry import (
     ModelInfo,
+    NestError,
     UnknownModelError,
     check_model_args,
     create_model,
@@ -20,6 +21,7 @@ __all__ = [
     "ModelArgs",
     "ModelArgsError",
     "ModelInfo",
+    "NestError",
     "NestedNet",
     "UnknownModelError",
     "check_model_args",

@@ -28,7 +28,12 @@ Step = Annotated[float, Strict(), Field(ge=0, description="initial step size; 0 
 
 
 class ModelArgsError(ValueError):
-    """Model arguments that break the family's declared constraints: ``FIELD: message``."""
+    """Model arguments that break the family's declared constraints: ``FIELD: message``.
+
+    Args:
+        field: the argument at fault (empty when the problem spans arguments).
+        message: what was expected.
+    """
 
     def __init__(self, field: str, message: str):
         self.field, self.message = field, message
@@ -39,8 +44,13 @@ class ModelArgs(BaseModel):
     """Base of a family's arguments: unknown keys are errors and numbers must be finite.
 
     Every family takes ``num_classes``, ``in_chans``, ``gamma_w``, ``channel_multiple`` and
-    ``steps``; subclasses add their own (with the entry point's defaults, so that checks across arguments see the
-    values the constructor will use).
+    ``steps``; subclasses add their own (with the entry point's defaults, so that checks
+    across arguments see the values the constructor will use).
+
+    Attributes:
+        num_classes: the classifier's outputs.
+        in_chans: the input's channels.
+        gamma_w: the width parameter ratio, in (0, 1].
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)

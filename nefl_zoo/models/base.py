@@ -19,7 +19,20 @@ Index = tuple  # per-dimension ``slice`` or 1-D ``torch.LongTensor``
 
 
 def count_params(model: nn.Module) -> int:
-    """Number of parameters (buffers such as BN running statistics excluded)."""
+    """Number of parameters (buffers such as BN running statistics excluded).
+
+    Args:
+        model: any module.
+
+    Returns:
+        The number of parameter elements.
+
+    Examples:
+        >>> import nefl_zoo as nz
+        >>> from nefl_zoo.models import count_params
+        >>> count_params(nz.create_model("resnet20"))
+        272483
+    """
     return sum(p.numel() for p in model.parameters())
 
 
@@ -31,6 +44,19 @@ def scale_width(channels: int, gamma_w: float, multiple: int = 1) -> int:
     multiple), raised by one multiple if that is below 90% of it, and capped at ``C`` (timm's and
     MobileNet's ``make_divisible``); ``gamma_w`` 1 keeps all ``C``. Both rules grow with
     ``gamma_w``, so a narrower tier's channels stay a prefix of a wider tier's.
+
+    Args:
+        channels: the layer's channels at full width.
+        gamma_w: the width parameter ratio, in (0, 1].
+        multiple: round to a multiple of this (1: the paper's rule).
+
+    Returns:
+        The channels kept.
+
+    Examples:
+        >>> from nefl_zoo.models import scale_width
+        >>> scale_width(16, 0.25), scale_width(16, 0.5), scale_width(64, 0.5, multiple=8)
+        (8, 12, 48)
     """
     exact = channels * math.sqrt(gamma_w)
     if multiple == 1 or gamma_w >= 1:
@@ -87,6 +113,15 @@ class NestedNet(nn.Module):
     - ``default_cfg``: ``classifier`` and ``first_conv`` (module names), ``input_size`` (C, H, W).
 
     and implements ``forward_stem`` (input -> first stage's input) and ``forward_head``.
+
+    Examples:
+        >>> import torch
+        >>> import nefl_zoo as nz
+        >>> model = nz.create_model("resnet20", num_classes=10)
+        >>> model.stage_names, model.stage_depths
+        (('layer1', 'layer2', 'layer3'), (3, 3, 3))
+        >>> model(torch.zeros(2, 3, 8, 8)).shape
+        torch.Size([2, 10])
     """
 
     stage_names: tuple[str, ...]
@@ -101,38 +136,96 @@ class NestedNet(nn.Module):
     runs_in_parts: bool = True
 
     def forward_stem(self, x: torch.Tensor) -> torch.Tensor:
+        """The stem: the input to the first stage's input (each family implements it).
+
+        Args:
+            x: a batch of images, ``(N, C, H, W)``.
+
+        Returns:
+            The first stage's input.
+        """
         raise NotImplementedError
 
     def forward_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """Applied to the last stage's output to give the features (identity by default)."""
+        """Applied to the last stage's output to give the features (identity by default).
+
+        Args:
+            x: the last stage's output.
+
+        Returns:
+            The features.
+        """
         return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Pool the features and, unless ``pre_logits``, classify them."""
+        """Pool the features and, unless ``pre_logits``, classify them.
+
+        Args:
+            x: unpooled features (:meth:`forward_features`).
+            pre_logits: stop after pooling.
+
+        Returns:
+            The logits, ``(N, num_classes)``, or with ``pre_logits`` the pooled features,
+            ``(N, num_features)``.
+        """
         raise NotImplementedError
 
     def stage_blocks(self, stage: int) -> Iterator[tuple[int, nn.Module]]:
-        """(index in the full stage, block) of every block of ``stage`` this instance has."""
+        """(index in the full stage, block) of every block of ``stage`` this instance has.
+
+        Args:
+            stage: the stage's index.
+
+        Yields:
+            ``(index in the full architecture's stage, block)``; removed blocks are skipped.
+        """
         for j, block in self.get_submodule(self.stage_names[stage]).named_children():
             yield int(j), block
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
-        """The output of stage ``stage`` (its index) for input ``x``."""
+        """The output of stage ``stage`` (its index) for input ``x``.
+
+        Args:
+            stage: the stage's index.
+            x: the stage's input.
+
+        Returns:
+            The stage's output.
+        """
         return self.get_submodule(self.stage_names[stage])(x)
 
     def fixed_blocks(self) -> set[tuple[int, int]]:
         """(stage, block) of the blocks of the full architecture that cannot be removed (step 0):
-        none by default (a ResNet keeps a removed first block's projection shortcut)."""
+        none by default (a ResNet keeps a removed first block's projection shortcut).
+
+        Returns:
+            The ``(stage, block)`` pairs of blocks a spec must keep.
+        """
         return set()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Unpooled features: stem, every stage, final norm."""
+        """Unpooled features: stem, every stage, final norm.
+
+        Args:
+            x: a batch of images, ``(N, C, H, W)``.
+
+        Returns:
+            The features, ``(N, num_features, H', W')`` for a CNN.
+        """
         x = self.forward_stem(x)
         for i in range(len(self.stage_names)):
             x = self.forward_stage(i, x)
         return self.forward_norm(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits: :meth:`forward_features`, then :meth:`forward_head`.
+
+        Args:
+            x: a batch of images, ``(N, C, H, W)``.
+
+        Returns:
+            The logits, ``(N, num_classes)``.
+        """
         return self.forward_head(self.forward_features(x))
 
     def forward_intermediates(
@@ -144,7 +237,30 @@ class NestedNet(nn.Module):
     ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """Outputs of the stages in ``indices`` (see :func:`take_indices`), unpooled and before
         the final norm, with the features unless ``intermediates_only``. ``stop_early`` stops
-        after the deepest requested stage (the features are then that stage's, normed)."""
+        after the deepest requested stage (the features are then that stage's, normed).
+
+        Args:
+            x: a batch of images, ``(N, C, H, W)``.
+            indices: the stages: all (``None``), the last ``n`` (an int), or their indices
+                (negative ones count from the end).
+            stop_early: stop after the deepest requested stage.
+            intermediates_only: return the stages' outputs only.
+
+        Returns:
+            The stages' outputs, or ``(features, stages' outputs)``.
+
+        Raises:
+            ValueError: ``indices`` names stages the model does not have.
+
+        Examples:
+            >>> import torch
+            >>> import nefl_zoo as nz
+            >>> model = nz.create_model("resnet20")
+            >>> x = torch.zeros(2, 3, 8, 8)
+            >>> outputs = model.forward_intermediates(x, intermediates_only=True)
+            >>> [tuple(t.shape) for t in outputs]
+            [(2, 16, 8, 8), (2, 32, 4, 4), (2, 64, 2, 2)]
+        """
         taken = take_indices(len(self.stage_names), indices)
         last = max(taken) if stop_early else len(self.stage_names) - 1
         x = self.forward_stem(x)
@@ -158,6 +274,11 @@ class NestedNet(nn.Module):
         return self.forward_norm(x), intermediates
 
     def get_classifier(self) -> nn.Module:
+        """The classifier, as timm's models give it.
+
+        Returns:
+            The module ``default_cfg["classifier"]`` names.
+        """
         return self.get_submodule(self.default_cfg["classifier"])
 
     def residual_blocks(self) -> Iterator[tuple[int, int, nn.Module]]:
@@ -165,13 +286,21 @@ class NestedNet(nn.Module):
 
         (Not ``blocks()``: timm's ViT names its stage ``blocks``, and the state dict keeps
         timm's names.)
+
+        Yields:
+            ``(stage, index in the full architecture, block)`` for every block this
+            instance has.
         """
         for s in range(len(self.stage_names)):
             for j, block in self.stage_blocks(s):
                 yield s, j, block
 
     def step_keys(self) -> dict[str, tuple[int, int]]:
-        """State-dict key of every step parameter -> (stage, block)."""
+        """State-dict key of every step parameter -> (stage, block).
+
+        Returns:
+            ``{"layer1.0.step": (0, 0), ...}``.
+        """
         names = {module: name for name, module in self.named_modules()}
         return {
             f"{names[block]}.{step}": (s, j)
@@ -180,7 +309,11 @@ class NestedNet(nn.Module):
         }
 
     def param_kinds(self) -> dict[str, str]:
-        """Kind of every state-dict entry: ``steps``, ``norm`` or ``weight``."""
+        """Kind of every state-dict entry: ``steps``, ``norm`` or ``weight``.
+
+        Returns:
+            State-dict key to kind.
+        """
         steps = self.step_keys()
         kinds: dict[str, str] = {}
         for mname, module in self.named_modules():
@@ -196,5 +329,13 @@ class NestedNet(nn.Module):
 
         Nested width scaling keeps the first channels of every dimension, so the default is a
         prefix per dimension; models with packed or grouped dimensions override this.
+
+        Args:
+            key: the tensor's state-dict key.
+            slim_shape: its shape in the submodel.
+            full_shape: its shape in the full model.
+
+        Returns:
+            Per dimension, a ``slice`` or a 1-D index tensor.
         """
         return tuple(slice(0, n) for n in slim_shape)

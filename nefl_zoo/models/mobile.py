@@ -126,6 +126,42 @@ class InvertedResidual(nn.Module):
         return x + self.step * out if self.identity else out
 
 
+@dataclass(frozen=True)
+class ScaledLayers:
+    """Makes a family's layers (:class:`Style`) at one width: every width ``C`` becomes
+    ``scale_width(C, gamma_w, channel_multiple)``."""
+
+    style: Style
+    gamma_w: float
+    channel_multiple: int
+
+    def width(self, c: int) -> int:
+        return scale_width(c, self.gamma_w, self.channel_multiple)
+
+    def norm(self, c: int) -> nn.BatchNorm2d:
+        return nn.BatchNorm2d(c, eps=self.style.norm_eps, momentum=self.style.norm_momentum)
+
+    def conv_bn(self, cin: int, cout: int, k: int = 1, stride: int = 1, groups: int = 1,
+                act: str | None = None) -> nn.Sequential:
+        """Convolution, BatchNorm and (``act``) an activation."""
+        layers = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False), self.norm(cout)]
+        return nn.Sequential(*layers, *([ACTIVATIONS[act]()] if act else []))
+
+    def block(self, cfg: BlockCfg, step: float) -> InvertedResidual:
+        """One inverted residual of ``cfg`` (full widths) at this width."""
+        style, width = self.style, self.width
+        cin, hid, cout = width(cfg.cin), width(cfg.hidden), width(cfg.cout)
+        layers = [self.conv_bn(cin, hid, act=cfg.act)] if cfg.hidden != cfg.cin else []
+        layers.append(self.conv_bn(hid, hid, cfg.kernel, cfg.stride, groups=hid, act=cfg.act))
+        if cfg.squeeze:
+            layers.append(SqueezeExcite(hid, width(cfg.squeeze), style.se_act, style.se_gate))
+        if style.flat_project:
+            layers += [nn.Conv2d(hid, cout, 1, bias=False), self.norm(cout)]
+        else:
+            layers.append(self.conv_bn(hid, cout))
+        return InvertedResidual(style.body, layers, cfg.identity, step)
+
+
 class InvertedResidualNet(NestedNet):
     """A nested-ready inverted-residual network built from ``stages`` (full architecture).
 
@@ -161,38 +197,33 @@ class InvertedResidualNet(NestedNet):
         steps = resolve_steps(steps, [len(stage) for stage in stages])
         self.style, self.num_classes = style, num_classes
         self.stage_depths = tuple(len(stage) for stage in stages)
+        layers = ScaledLayers(style, gamma_w, channel_multiple)
+        self.features = self._features(layers, stages, steps, stem, last, in_chans, flat)
+        self.flat = flat
+        self.stage_names = tuple(info["module"] for info in self.feature_info)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = self._classifier(layers, last, hidden, dropout, num_classes)
+        self.default_cfg = {
+            "classifier": f"classifier.{len(self.classifier) - 1}",
+            "first_conv": "features.0.0",
+            "input_size": (in_chans, img_size, img_size),
+        }
+        self._init_weights()
 
-        def width(c: int) -> int:
-            return scale_width(c, gamma_w, channel_multiple)
-
-        def norm(c: int) -> nn.BatchNorm2d:
-            return nn.BatchNorm2d(c, eps=style.norm_eps, momentum=style.norm_momentum)
-
-        def conv_bn(cin: int, cout: int, k: int = 1, stride: int = 1, groups: int = 1, act: str | None = None):
-            layers = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False), norm(cout)]
-            return nn.Sequential(*layers, *([ACTIVATIONS[act]()] if act else []))
-
-        def block(cfg: BlockCfg, step: float) -> InvertedResidual:
-            cin, hid, cout = width(cfg.cin), width(cfg.hidden), width(cfg.cout)
-            layers = [conv_bn(cin, hid, act=cfg.act)] if cfg.hidden != cfg.cin else []
-            layers.append(conv_bn(hid, hid, cfg.kernel, cfg.stride, groups=hid, act=cfg.act))
-            if cfg.squeeze:
-                layers.append(SqueezeExcite(hid, width(cfg.squeeze), style.se_act, style.se_gate))
-            if style.flat_project:
-                layers += [nn.Conv2d(hid, cout, 1, bias=False), norm(cout)]
-            else:
-                layers.append(conv_bn(hid, cout))
-            return InvertedResidual(style.body, layers, cfg.identity, step)
-
+    def _features(self, layers: ScaledLayers, stages: Sequence[Sequence[BlockCfg]], steps: Steps, stem: int, last: int,
+                  in_chans: int, flat: bool) -> nn.Sequential:
+        """The stem, the blocks (``step`` 0: left out) and the last 1x1 convolution, under
+        torchvision's names; records each stage's blocks (``_layout``) and ``feature_info``."""
+        width = layers.width
         features: OrderedDict[str, nn.Module] = OrderedDict()
-        features["0"] = conv_bn(in_chans, width(stem), 3, 2, act=style.stem_act)
+        features["0"] = layers.conv_bn(in_chans, width(stem), 3, 2, act=self.style.stem_act)
         self._layout: list[list[str]] = []  # per stage, its blocks' names under features (flat)
         self.feature_info, reduction, n = [], 2, 1
         for s, (stage, stage_steps) in enumerate(zip(stages, steps)):
             blocks: OrderedDict[str, nn.Module] = OrderedDict()
             for j, (cfg, step) in enumerate(zip(stage, stage_steps)):
                 if step != 0:
-                    blocks[str(n + j) if flat else str(j)] = block(cfg, step)
+                    blocks[str(n + j) if flat else str(j)] = layers.block(cfg, step)
                 reduction *= cfg.stride
             self._layout.append([str(n + j) for j in range(len(stage))])
             if flat:
@@ -204,12 +235,13 @@ class InvertedResidualNet(NestedNet):
             self.feature_info.append({"module": module, "num_chs": width(stage[-1].cout), "reduction": reduction})
             n += len(stage)
         self._last = str(n if flat else len(stages) + 1)
-        features[self._last] = conv_bn(width(stages[-1][-1].cout), width(last), act=style.head_act)
-        self.features = nn.Sequential(features)
-        self.flat = flat
-        self.stage_names = tuple(info["module"] for info in self.feature_info)
+        features[self._last] = layers.conv_bn(width(stages[-1][-1].cout), width(last), act=self.style.head_act)
+        return nn.Sequential(features)
 
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
+    def _classifier(self, layers: ScaledLayers, last: int, hidden: int | None, dropout: float,
+                    num_classes: int) -> nn.Sequential:
+        """The classifier (a hidden layer for MobileNetV3); sets ``num_features``, its input width."""
+        width = layers.width
         head: list[nn.Module] = []
         self.num_features = width(last)
         if hidden is not None:
@@ -218,13 +250,7 @@ class InvertedResidualNet(NestedNet):
         else:
             head.append(nn.Dropout(dropout))
         head.append(nn.Linear(self.num_features, num_classes))
-        self.classifier = nn.Sequential(*head)
-        self.default_cfg = {
-            "classifier": f"classifier.{len(head) - 1}",
-            "first_conv": "features.0.0",
-            "input_size": (in_chans, img_size, img_size),
-        }
-        self._init_weights()
+        return nn.Sequential(*head)
 
     def _init_weights(self) -> None:
         """torchvision's initialisation (kaiming fan-out convolutions, N(0, 0.01) linears)."""

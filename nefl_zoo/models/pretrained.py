@@ -209,7 +209,18 @@ def load_pretrained(
     ``torchvision:NAME`` / ``timm:NAME`` (from the torch.hub / Hugging Face cache, downloaded
     when absent; hash-checked). Files are read as tensors only (see the module docstring).
     Step sizes absent from the source keep their value (1). A classifier of another size is
-    left as initialised. Returns the keys that were not loaded.
+    left as initialised.
+
+    Args:
+        model: a full-size zoo model (``gamma_w`` 1, every block).
+        source: a state dict, a weights file, or ``torchvision:NAME`` / ``timm:NAME``.
+
+    Returns:
+        The keys that were not loaded (step sizes, a classifier of another size).
+
+    Raises:
+        PretrainedError: weights that do not fit the model, a file that is not tensors only,
+            or a download whose hash does not match.
     """
     label = "state dict" if isinstance(source, Mapping) else str(source)
     state = _check_tensors(source, label) if isinstance(source, Mapping) else _read_state_dict(source)

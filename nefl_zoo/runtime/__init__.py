@@ -3,13 +3,15 @@
 Depends only on numpy, onnxruntime, pydantic and the standard library (never torch)::
 
     rt = TierRuntime("exports/resnet20/manifest.json")
-    choice = rt.select(latency_ms=5.0)         # Selection(tier="g0.6", precision="int8", ...)
-    logits = rt.run(images)                    # runs the selected entry ("auto")
-    logits = rt.run(images, tier="g1.0")       # or any tier's FP32 file by its name,
-    logits = rt.run(images, tier="g1.0:int8")  # or any entry by its label; sessions stay cached
+    choice = rt.select(latency_ms=5.0)  # Selection(tier="g0.6", precision="int8", ...)
+    logits = rt.run(images)  # runs the selected entry ("auto")
+    logits = rt.run(images, tier="g1.0")  # or any tier's FP32 file by its name,
+    logits = rt.run(images, tier="g1.0:int8")  # or any entry by its label
 
     rt = TierRuntime("exports/resnet20", policy=Deadline(ms=5, percentile=95))
-    logits = rt.run(images, tier="adaptive")   # the entry the deadline policy chooses, timed
+    logits = rt.run(images, tier="adaptive")  # the entry the policy chooses, timed
+
+Sessions stay cached.
 
 Every file (of any precision and format) is read once into memory (:func:`read_tier`): its
 path must stay inside the manifest's folder (no ``..``, no symlink out of it), its bytes are

@@ -51,15 +51,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from .latency import check_counts, measure_latency_table
+    from .latency import check_counts, check_writable, measure_latency_table
     from .tiers import TierRuntime
 
     check_counts(args.batch, args.runs, args.warmup, args.threads, prefix="--")  # before the package is read
+    if args.out:
+        try:
+            check_writable(args.out)
+        except ValueError as exc:
+            _fail(f"--out {exc}")
     runtime = TierRuntime(args.package, threads=args.threads)
     labels = [part.strip() for part in args.labels.split(",")] if args.labels else None
     table = measure_latency_table(runtime, args.batch, args.runs, args.warmup, labels)
     if args.out:
-        table.save(args.out)
+        try:
+            table.save(args.out)
+        except OSError as exc:
+            _fail(f"--out {args.out}: {exc.strerror or exc}")
     if args.json:
         print(table.to_json())
         return

@@ -56,7 +56,14 @@ MAX_SPEEDUP = 1_000  # a ladder spaced wider than that has a single rung
 class Candidate:
     """One (tier, precision) entry: its label (``g0.6``, ``g0.6:int8``), accuracy (``None``:
     not measured), MACs and its latency on this device at the request batch when idle (from a
-    microsecond to a day)."""
+    microsecond to a day).
+
+    Attributes:
+        label: the entry's label.
+        accuracy: its accuracy, or ``None`` when not measured.
+        macs: its MACs per image.
+        expected_ms: its latency when the device is idle, in milliseconds.
+    """
 
     label: str
     accuracy: float | None
@@ -89,6 +96,17 @@ class Deadline:
     ``window`` and ``recent`` at most 10000, ``probe_after_s`` at most a day, ``max_backoff``
     at most a million and ``min_speedup`` at most 1000, so no product of them overflows and no
     quiet period is endless.
+
+    Attributes:
+        ms: the deadline, in milliseconds.
+        percentile: the percentile of recent slowdowns that estimates use.
+        window: how many recent observations are kept.
+        headroom: the share of ``ms`` an entry's expected latency may take.
+        probe_after_s: the quiet period before probing a step up, in seconds.
+        up_margin: the stricter share (of ``headroom * ms``) a probe must fit.
+        max_backoff: the largest factor failed probes multiply the quiet period by.
+        recent: how many of the last requests a probe's estimate considers.
+        min_speedup: the least latency ratio between neighbouring rungs of the ladder.
     """
 
     ms: float
@@ -166,6 +184,27 @@ class AdaptivePolicy:
         candidates: the entries it may serve; at least one, labels unique.
         deadline: the deadline and the policy's settings.
         clock: seconds, monotonic (injectable for tests).
+
+    Raises:
+        ValueError: no candidate, or two with one label.
+
+    Examples:
+        >>> from nefl_zoo.runtime import AdaptivePolicy, Candidate, Deadline
+        >>> now = [0.0]
+        >>> policy = AdaptivePolicy([Candidate("g0.2", 0.6, 1_000_000, 2.0),
+        ...                          Candidate("g0.6", 0.75, 6_000_000, 7.0),
+        ...                          Candidate("g1", 0.8, 12_000_000, 12.0)],
+        ...                         Deadline(ms=10), clock=lambda: now[0])
+        >>> policy.ladder, policy.choose()
+        (('g0.2', 'g0.6', 'g1'), 'g0.6')
+        >>> for _ in range(19):  # requests as fast as expected
+        ...     policy.observe("g0.6", 7.0)
+        >>> policy.observe("g0.6", 14.0)  # one slow request in 20: an outlier
+        >>> policy.choose()
+        'g0.6'
+        >>> policy.observe("g0.6", 15.0)  # a second: the deadline is threatened
+        >>> policy.choose()
+        'g0.2'
     """
 
     def __init__(
@@ -212,11 +251,25 @@ class AdaptivePolicy:
         return self._backoff
 
     def expected_ms(self, label: str) -> float:
-        """The latency of ``label`` expected at ``percentile`` now: its baseline times the slowdown."""
+        """The latency of ``label`` expected at ``percentile`` now: its baseline times the slowdown.
+
+        Args:
+            label: a candidate's label.
+
+        Returns:
+            The expected latency, in milliseconds.
+
+        Raises:
+            ValueError: an unknown label.
+        """
         return self._baseline[self._known(label)] * self._slowdown
 
     def choose(self) -> str:
-        """The label to serve the next request with; probes one step up when due."""
+        """The label to serve the next request with; probes one step up when due.
+
+        Returns:
+            A candidate's label.
+        """
         now = self._clock()
         quiet = now - self._quiet_since
         if not self._observed_since_switch:
@@ -234,8 +287,15 @@ class AdaptivePolicy:
 
     def observe(self, label: str, ms: float) -> None:
         """Record that ``label`` served a request in ``ms`` milliseconds; steps down at once
-        when that threatens the deadline. ``ValueError`` for an unknown label or a latency
-        that is not a number from 0 to a day."""
+        when that threatens the deadline.
+
+        Args:
+            label: the candidate that served the request.
+            ms: how long it took, in milliseconds.
+
+        Raises:
+            ValueError: an unknown label, or a latency that is not a number from 0 to a day.
+        """
         baseline = self._baseline[self._known(label)]
         number("ms", ms, 0, MAX_MS)
         now = self._clock()

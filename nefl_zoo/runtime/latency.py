@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from ..bounds import MAX_BATCH, MAX_MS, MAX_RUNS, MAX_THREADS, number
+from ..bounds import MAX_BATCH, MAX_MS, MAX_RUNS, MAX_THREADS, MIN_MS, number
 from ..manifest import Machine, Manifest
 from ..userfiles import MISSING_KEY, FileError, field_error, format_validation_error, read_json
 from .session import CPU_PROVIDER
@@ -60,7 +60,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-Milliseconds = Annotated[float, Field(ge=0, le=MAX_MS)]  # 0: a clock too coarse for the run
+Milliseconds = Annotated[float, Field(ge=MIN_MS, le=MAX_MS)]  # what the adaptive policy takes as an estimate
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 Batch = Annotated[int, Field(ge=1, le=MAX_BATCH)]
 Runs = Annotated[int, Field(ge=1, le=MAX_RUNS)]
@@ -84,7 +84,21 @@ class LatencyEntry(_Strict):
 
 
 class LatencyTable(_Strict):
-    """Every entry's latency on one device at each batch measured (see the module docstring)."""
+    """Every entry's latency on one device at each batch measured (see the module docstring).
+
+    What ``python -m nefl_zoo.runtime bench`` writes, and ``select --latency-table`` reads.
+
+    Attributes:
+        schema_name: the file's format, ``nefl-zoo-latency-table`` (the key ``schema``).
+        version: the format's version.
+        model: the model the export is of.
+        manifest_sha256: the SHA-256 of the manifest it was measured on.
+        machine: the device.
+        threads: onnxruntime's intra-op threads (``None``: its default).
+        runs: timed rounds.
+        warmup: untimed rounds before them.
+        entries: each entry's median and 95th-percentile latency at each batch.
+    """
 
     schema_name: Literal["nefl-zoo-latency-table"] = Field(alias="schema")
     version: Literal[1]
@@ -112,8 +126,19 @@ class LatencyTable(_Strict):
         return f"on {self.machine.processor} ({Path(self._source).name})"
 
     def for_batch(self, batch: int, percentile: str = "median") -> dict[str, float]:
-        """Label -> ms at ``batch`` (``percentile``: "median" or "p95"); ``ValueError``
-        naming the file when no entry was measured at that batch."""
+        """Label -> ms at ``batch`` (``percentile``: "median" or "p95").
+
+        Args:
+            batch: the batch size.
+            percentile: ``median`` or ``p95``.
+
+        Returns:
+            Each entry's latency in milliseconds, by label.
+
+        Raises:
+            ValueError: another percentile.
+            LatencyTableError: no entry was measured at that batch (naming the file).
+        """
         if percentile not in PERCENTILES:
             raise ValueError(f"percentile: expected median or p95, got {percentile!r}")
         out = {e.label: e.median_ms if percentile == "median" else e.p95_ms for e in self.entries if e.batch == batch}
@@ -126,7 +151,17 @@ class LatencyTable(_Strict):
 
     def check_matches(self, manifest: Manifest, batch: int, labels: Sequence[str] | None = None) -> None:
         """:class:`LatencyTableError` unless the table holds, at ``batch``, each of ``labels``
-        (default: every entry of ``manifest``) timed on the manifest's file of it."""
+        (default: every entry of ``manifest``) timed on the manifest's file of it.
+
+        Args:
+            manifest: the export's manifest.
+            batch: the batch size.
+            labels: the entries to check (default: every entry).
+
+        Raises:
+            LatencyTableError: another model, a missing entry, or an entry timed on a file
+                the manifest no longer lists.
+        """
         if self.model != manifest.model:
             raise LatencyTableError(
                 self._source, "model", f"{self.model!r}, but the manifest is of {manifest.model!r} (a table of another package)"
@@ -146,11 +181,23 @@ class LatencyTable(_Strict):
                 )
 
     def to_json(self) -> str:
-        """The table as the JSON of its file."""
+        """The table as the JSON of its file.
+
+        Returns:
+            The JSON text.
+        """
         return self.model_dump_json(indent=2, by_alias=True)
 
     def save(self, path: str | Path) -> None:
-        """Write the table to ``path`` atomically (a temporary file beside it, then renamed)."""
+        """Write the table to ``path`` atomically (a temporary file beside it, then renamed).
+
+        Args:
+            path: the file to write.
+
+        Raises:
+            OSError: naming ``path`` (:func:`check_writable` says why before anything is timed).
+        """
+        check_writable(path)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -159,10 +206,23 @@ class LatencyTable(_Strict):
                 f.flush()
                 os.fsync(f.fileno())  # on the disk before it replaces the old table
             os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # what was given, not the temporary file
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         self._source = str(path)
+
+
+def check_writable(path: str | Path) -> None:
+    """``ValueError`` naming ``path`` as given when a table cannot be written there: a
+    folder, or in a folder that does not exist."""
+    given, path = str(path), Path(path)
+    if path.is_dir():
+        raise ValueError(f"{given}: is a folder; give the table's file name (e.g. {path / 'latency.json'})")
+    if not path.parent.is_dir():
+        raise ValueError(f"{given}: its folder {path.parent} does not exist")
 
 
 def parse_latency_table(data: object, source: str) -> LatencyTable:
@@ -186,12 +246,29 @@ def parse_latency_table(data: object, source: str) -> LatencyTable:
 
 
 def load_latency_table(path: str | Path) -> LatencyTable:
-    """Read and validate a latency table file (:class:`LatencyTableError` in one line)."""
+    """Read and validate a latency table file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The table.
+
+    Raises:
+        LatencyTableError: an unreadable or invalid file, in one line.
+    """
     return parse_latency_table(read_json(path, LatencyTableError, what="the latency table"), str(path))
 
 
 def machine_description(provider: str = CPU_PROVIDER) -> Machine:
-    """The CPU, OS and onnxruntime version latencies are measured with."""
+    """The CPU, OS and onnxruntime version latencies are measured with.
+
+    Args:
+        provider: the execution provider the latencies are measured on.
+
+    Returns:
+        This machine's description.
+    """
     return Machine(
         processor=platform.processor() or platform.machine(),
         platform=platform.platform(),
@@ -247,8 +324,23 @@ def measure_latency_table(
 ) -> LatencyTable:
     """Time each of ``labels`` (default: every entry of the manifest) at each of ``batches``
     on a seeded random batch, the entries interleaved round by round (``warmup`` untimed
-    rounds, then ``runs`` timed ones). ``ValueError`` for a bad count or a batch the export
-    cannot take or that cannot fit in memory, before anything is timed."""
+    rounds, then ``runs`` timed ones).
+
+    Args:
+        runtime: the export's runtime.
+        batches: the batch sizes.
+        runs: timed rounds.
+        warmup: untimed rounds before them.
+        labels: the entries to time (default: every entry).
+        clock: seconds, monotonic.
+
+    Returns:
+        The table.
+
+    Raises:
+        ValueError: a bad count, or a batch the export cannot take or that cannot fit in
+            memory; raised before anything is timed.
+    """
     check_counts(batches, runs, warmup, runtime.threads)
     chosen = [runtime.resolve(label) for label in labels] if labels else [t.label for t in runtime.manifest.tiers]
     fixed, spec = runtime.manifest.input.batch, runtime.manifest.input

@@ -12,11 +12,12 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ..bounds import MAX_MS, MIN_MS, number
 from ..manifest import MANIFEST_NAME, PRECISIONS, Manifest, ManifestError, TierEntry, load_manifest
 from ..memory import WORKING_SET_FACTOR, check_batch_memory
 from ..timing import interleaved_median_ms
 from .adaptive import AdaptivePolicy, Candidate, Deadline
-from .nested import TIER_INPUT, TierSession
+from .nested import TIER_INPUT, TierSession, nested_metadata
 from .session import CPU_PROVIDER, create_session
 
 class NoTierFits(ValueError):
@@ -25,8 +26,15 @@ class NoTierFits(ValueError):
 
 @dataclass(frozen=True)
 class Selection:
-    """The (tier, precision) :meth:`TierRuntime.select` chose and why; ``fitting`` holds the
-    labels of every entry within the budget."""
+    """The (tier, precision) :meth:`TierRuntime.select` chose, and why.
+
+    Attributes:
+        tier: the chosen tier's name.
+        reason: why, in one line (the budget, what fits, its latency).
+        fitting: the labels of every entry within the budget.
+        precision: the chosen entry's precision.
+        label: the chosen entry's label (``NAME`` or ``NAME:PRECISION``).
+    """
 
     tier: str
     reason: str
@@ -53,12 +61,33 @@ class TierRuntime:
             manifest's latency at export.
         precisions: the precisions the policy may serve (default: all).
         clock: seconds, monotonic: times the adaptive requests (injectable for tests).
+        low_memory: sessions without constant folding: a nested model's session keeps one copy
+            of the shared weights instead of every tier's, and cuts the tier's weights out of
+            them at every run (slower: see the nested model's documentation for when it wins).
+
+    onnxruntime's own log lines are off unless ``NEFL_ZOO_ORT_LOG`` asks for them
+    (:func:`~nefl_zoo.runtime.session.ort_log_severity`).
+
+    Raises :class:`ManifestError` for a manifest that cannot be read or is inconsistent, and
+    for a failure of onnxruntime while loading or running an entry (one line naming the file
+    and the entry); ``ValueError`` for a policy without a starting estimate for some entry.
+
+    Examples:
+        >>> import numpy as np
+        >>> from nefl_zoo.runtime import TierRuntime
+        >>> rt = TierRuntime("exports/tiers")  # three tiers, in FP32 and INT8
+        >>> rt.select(max_file_mb=0.1).label
+        'small:int8'
+        >>> batch = np.zeros((2, *rt.manifest.input.shape), np.float32)
+        >>> rt.run(batch).shape, rt.last_label
+        ((2, 10), 'small:int8')
     """
 
     def __init__(
         self, manifest_path: str | Path, providers: tuple[str, ...] = (CPU_PROVIDER,), threads: int | None = None,
         policy: Deadline | None = None, latencies: Mapping[str, float] | None = None,
         precisions: Sequence[str] | None = None, clock: Callable[[], float] = time.perf_counter,
+        low_memory: bool = False,
     ):
         path = Path(manifest_path)
         self.manifest_path = path / MANIFEST_NAME if path.is_dir() else path
@@ -66,7 +95,9 @@ class TierRuntime:
         self.root = self.manifest_path.parent  # tier files must resolve inside it
         self.providers = tuple(providers)
         self.threads = threads
+        self.low_memory = low_memory
         self._sessions: dict[str, ort.InferenceSession] = {}  # by file: a nested model serves every entry in it
+        self._views: dict[str, TierSession] = {}  # by label
         self.selection: Selection = self.select()
         self.clock = clock
         self.adaptive: AdaptivePolicy | None = None
@@ -83,19 +114,36 @@ class TierRuntime:
             for label in self.adaptive.ladder:  # created and run once: a first run's set-up is no slowdown
                 self.session(label).run(None, warmup)
 
-    def session(self, tier: str, precision: str | None = None) -> ort.InferenceSession | TierSession:
-        """The session of an entry (:meth:`Manifest.tier`: a label, or a tier name and
-        ``precision``): its file's session, or for a nested model the :class:`TierSession`
-        of the entry's index over the file's one session. Each file is read, checked against
-        its sha256 and opened once, on first use, and cached."""
+    def session(self, tier: str, precision: str | None = None) -> TierSession:
+        """The session of an entry (:meth:`Manifest.tier`). Each file is read, checked against
+        its sha256 and opened once, on first use, and cached.
+
+        Args:
+            tier: an entry's label, or a tier's name.
+            precision: the precision, with a tier's name.
+
+        Returns:
+            A :class:`TierSession` over its file's session that feeds a nested model the
+            entry's index and names the file and entry when onnxruntime fails.
+
+        Raises:
+            KeyError: no such entry.
+            ManifestError: a file that fails its checks, or that onnxruntime cannot load.
+        """
         entry = self.manifest.tier(tier, precision)
+        path = self.root / entry.file
         if entry.file not in self._sessions:
-            path = self.root / entry.file
-            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes)
+            session = create_session(path, entry.sha256, self.providers, self.threads, root=self.root, size=entry.bytes,
+                                     low_memory=self.low_memory, tier=entry.label)
             self._check_io(session, str(path))
+            if self.manifest.format == "nested":
+                self._check_tiers(session, entry.file)
             self._sessions[entry.file] = session
         session = self._sessions[entry.file]
-        return session if entry.index is None else TierSession(session, entry.index)
+        view = self._views.get(entry.label)
+        if view is None or view.session is not session:
+            view = self._views[entry.label] = TierSession(session, entry.index, str(path), entry.label)
+        return view
 
     def _check_io(self, session: ort.InferenceSession, source: str) -> None:
         """:class:`ManifestError` unless the model takes the manifest's input (name, shape,
@@ -125,6 +173,23 @@ class TierRuntime:
                 where, "output.num_classes", f"{self.manifest.output.num_classes}, but {Path(source).name} gives {classes} logits"
             )
 
+    def _check_tiers(self, session: ort.InferenceSession, name: str) -> None:
+        """:class:`ManifestError` unless every entry of the nested file ``name`` points at a
+        tier its tier table holds, by index and name."""
+        try:
+            table = [t.get("name") if isinstance(t, dict) else None for t in nested_metadata(session)["tiers"]]
+        except ValueError as exc:
+            raise ManifestError(str(self.root / name), "metadata_props", str(exc)) from None
+        for i, entry in enumerate(self.manifest.tiers):
+            if entry.file != name:
+                continue
+            if not 0 <= entry.index < len(table):
+                raise ManifestError(str(self.manifest_path), f"tiers[{i}].index",
+                                    f"{entry.index}, but {name} holds {len(table)} tiers (0..{len(table) - 1}); re-export")
+            if table[entry.index] != entry.name:
+                raise ManifestError(str(self.manifest_path), f"tiers[{i}].index",
+                                    f"{entry.index} is tier {table[entry.index]!r} in {name}, not {entry.name!r}; re-export")
+
     def select(
         self,
         latency_ms: float | None = None,
@@ -141,14 +206,26 @@ class TierRuntime:
         by MACs when some fitting entry has no measured accuracy; ties go to fewer MACs, then
         the smaller file) and make it the ``"auto"`` tier.
 
-        ``latency_ms`` is compared with the latency measured at export time (at the batch the
-        manifest records), or with ``latencies`` (label -> ms, e.g. a device's
-        :class:`~nefl_zoo.runtime.latency.LatencyTable` at ``batch``; ``latency_source`` says
-        where it was measured, for the reason) when given; ``max_memory_mb`` with :meth:`TierEntry.memory_mb` at ``batch``;
-        ``max_file_mb`` with the file's size; ``precisions`` (default: all) restricts the
-        entries considered. Raises :class:`NoTierFits` when no entry meets the budget,
-        ``ValueError`` for a budget that is negative or not a finite number, a batch below 1,
-        or a precision the manifest has no file of.
+        Args:
+            latency_ms: the latency budget (ms), against the latency measured at export (at
+                the manifest's batch), or ``latencies`` when given.
+            max_macs: the MACs budget.
+            max_params: the parameters budget.
+            max_memory_mb: the memory budget (MB), against :meth:`TierEntry.memory_mb`.
+            batch: the batch the latency and memory budgets are for.
+            max_file_mb: the budget on the tier's own file (MB).
+            precisions: the precisions to consider (default: all).
+            latencies: label -> ms, e.g. a device's
+                :class:`~nefl_zoo.runtime.latency.LatencyTable` at ``batch``.
+            latency_source: where ``latencies`` were measured, for the reason.
+
+        Returns:
+            The choice, which ``run(batch)`` (``tier="auto"``) now serves.
+
+        Raises :class:`NoTierFits` when no entry meets every budget, ``ValueError`` for a budget
+        that is negative or not finite, a batch below 1, a latency the adaptive policy would
+        refuse (below a microsecond or above a day), a precision without files, or
+        ``latencies`` missing an entry.
         """
         budgets = {
             "latency_ms": latency_ms, "max_macs": max_macs, "max_params": max_params,
@@ -165,6 +242,8 @@ class TierRuntime:
             missing = [t.label for t in tiers if t.label not in latencies]
             if missing:
                 raise ValueError(f"latencies: no latency for {', '.join(missing)} (measured {latency_source})")
+            for t in tiers:  # what the adaptive policy takes as an estimate, no less
+                number(f"latencies[{t.label}]", latencies[t.label], MIN_MS, MAX_MS)
             expected = lambda t: latencies[t.label]  # noqa: E731
         else:
             expected, latency_source = (lambda t: t.latency.median_ms), "on export"  # noqa: E731
@@ -201,8 +280,14 @@ class TierRuntime:
         return self.selection
 
     def entries(self, precisions: Sequence[str] | None = None) -> list[TierEntry]:
-        """The manifest's entries at ``precisions`` (all when ``None``); ``ValueError`` for a
-        precision that is unknown or has no file in the manifest."""
+        """The manifest's entries at ``precisions``; ``ValueError`` for a precision without files.
+
+        Args:
+            precisions: the precisions wanted.
+
+        Returns:
+            The entries, in the manifest's order.
+        """
         if precisions is None:
             return list(self.manifest.tiers)
         have = list(dict.fromkeys(t.precision for t in self.manifest.tiers))
@@ -213,7 +298,14 @@ class TierRuntime:
         return [t for t in self.manifest.tiers if t.precision in precisions]
 
     def check_batch(self, batch: np.ndarray) -> np.ndarray:
-        """``batch`` as a float32 array of the manifest's input shape; ``ValueError`` if not."""
+        """``batch`` as a float32 array of the manifest's input shape; ``ValueError`` if not.
+
+        Args:
+            batch: images, ``(N, C, H, W)``, floating point.
+
+        Returns:
+            The batch as a contiguous float32 array.
+        """
         spec = self.manifest.input
         batch = np.asarray(batch)
         if not np.issubdtype(batch.dtype, np.floating):
@@ -227,9 +319,16 @@ class TierRuntime:
 
     def resolve(self, tier: str, precision: str | None = None) -> str:
         """The label of the selected entry for ``"auto"``, of the policy's choice for
-        ``"adaptive"``, else of :meth:`Manifest.tier` (``tier`` a label, or a tier name and
-        ``precision``); ``KeyError`` if unknown, ``ValueError`` for ``"adaptive"`` without a
-        policy."""
+        ``"adaptive"``, else of :meth:`Manifest.tier`; ``KeyError`` if unknown, ``ValueError``
+        for ``"adaptive"`` without a policy.
+
+        Args:
+            tier: ``"auto"``, ``"adaptive"``, a label or a tier's name.
+            precision: the precision, with a tier's name.
+
+        Returns:
+            The entry's label.
+        """
         if tier == "auto":
             return self.selection.label
         if tier == "adaptive":
@@ -239,9 +338,17 @@ class TierRuntime:
         return self.manifest.tier(tier, precision).label
 
     def run(self, batch: np.ndarray, tier: str = "auto") -> np.ndarray:
-        """Logits of ``batch`` (N, C, H, W, already normalised) from ``tier`` (a label,
-        ``"auto"`` or ``"adaptive"``: the policy's choice, timed and reported back to it);
-        :attr:`last_label` is the entry that ran."""
+        """Logits of ``batch`` from ``tier`` (``"adaptive"``: the policy's choice, timed and
+        reported back to it); :attr:`last_label` is the entry that ran. ``ValueError`` for a
+        batch of the wrong type or shape, ``KeyError`` for an unknown entry.
+
+        Args:
+            batch: images, ``(N, C, H, W)``, normalised as the manifest's input says.
+            tier: ``"auto"`` (the selected entry), ``"adaptive"`` or a label.
+
+        Returns:
+            The logits, ``(N, num_classes)``.
+        """
         feed = {self.manifest.input.name: self.check_batch(batch)}
         label = self.resolve(tier)
         session = self.session(label)
@@ -253,10 +360,14 @@ class TierRuntime:
         return logits
 
     def check_memory(self, batch: int, tiers: list[str] | None = None) -> None:
-        """``ValueError`` when running ``batch`` inputs through any of ``tiers`` (labels;
-        default: every entry) cannot fit in the memory available: the weights, plus per sample
-        the input and :data:`~nefl_zoo.memory.WORKING_SET_FACTOR` times the largest activation
-        working set."""
+        """``ValueError`` when running ``batch`` inputs through any of ``tiers`` cannot fit in
+        the memory available: the weights, plus per sample the input and
+        :data:`~nefl_zoo.memory.WORKING_SET_FACTOR` times the largest activation working set.
+
+        Args:
+            batch: the batch size.
+            tiers: the entries' labels (default: every entry).
+        """
         input_bytes = 4 * math.prod(self.manifest.input.shape)
         for name in tiers or [t.label for t in self.manifest.tiers]:
             entry = self.manifest.tier(self.resolve(name))
@@ -268,13 +379,33 @@ class TierRuntime:
 
     def benchmark(self, tier: str, batch: int, runs: int = 10, warmup: int = 2) -> float:
         """Median latency (ms) of ``tier`` (a label) on a random batch, measured now on this
-        machine; ``ValueError`` for a batch the export does not take or that cannot fit in memory."""
+        machine; ``ValueError`` for a batch the export does not take or that cannot fit in memory.
+
+        Args:
+            tier: an entry's label.
+            batch: the batch size.
+            runs: timed runs.
+            warmup: untimed runs before them.
+
+        Returns:
+            The median latency, in milliseconds.
+        """
         return self.benchmark_many([tier], batch, runs, warmup)[self.resolve(tier)]
 
     def benchmark_many(self, tiers: Sequence[str], batch: int, runs: int = 10, warmup: int = 2) -> dict[str, float]:
         """Median latency (ms) of each of ``tiers`` (labels) on one random batch, measured now,
-        the files timed in turn (``warmup`` untimed rounds, then ``runs`` timed ones), keyed by
-        label; ``ValueError`` as :meth:`benchmark`."""
+        the files timed in turn (``warmup`` untimed rounds, then ``runs`` timed ones);
+        ``ValueError`` as :meth:`benchmark`.
+
+        Args:
+            tiers: the entries' labels.
+            batch: the batch size.
+            runs: timed rounds.
+            warmup: untimed rounds before them.
+
+        Returns:
+            The median latency in milliseconds, by label.
+        """
         fixed = self.manifest.input.batch
         if fixed is not None and batch != fixed:
             raise ValueError(f"this export has a fixed batch of {fixed}, got --batch {batch}")
@@ -289,8 +420,17 @@ class TierRuntime:
 
 def run_in_chunks(run: Callable[[np.ndarray], np.ndarray], images: np.ndarray, fixed_batch: int | None,
                   chunk: int = 256) -> np.ndarray:
-    """``run`` over ``images`` in chunks of ``chunk`` images, or of ``fixed_batch`` (the last
-    one zero-padded to it) for an export with a fixed batch; the outputs concatenated."""
+    """``run`` over ``images`` in chunks; the outputs concatenated.
+
+    Args:
+        run: maps a batch to its outputs (e.g. :meth:`TierRuntime.run`).
+        images: every image, ``(N, C, H, W)``.
+        fixed_batch: an export's fixed batch (the last chunk zero-padded to it), or ``None``.
+        chunk: the chunk size with a dynamic batch.
+
+    Returns:
+        The outputs of every image, in order (padding dropped).
+    """
     size = fixed_batch or chunk
     out = []
     for start in range(0, len(images), size):

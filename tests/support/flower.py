@@ -1,13 +1,17 @@
-"""One Flower simulation (one Ray start) for the whole test session, shared by
-``test_method_contract_flower.py`` and ``test_flower.py``.
+"""Flower runs made once per test session for ``test_method_contract_flower.py``, and the
+in-process grid the other Flower tests use.
 
 Every registered method runs the method contract's 2-round configuration
-(``test_method_contract.contract_config``) on the embedded engine (``embedded-M``) and on
-Flower's simulation engine (``flower-M``); every method whose embedded run keeps per-client state
-(``clients.safetensors``) also runs on Flower stopped after round 1 and resumed
-(``flower-M-resumed``). NeFL also runs under ``secure_aggregation`` (Flower's SecAgg+:
-``flower-nefl-secure``; :func:`secure_contract_config`). A new method is picked up from the
-registry without an edit here.
+(``conftest.contract_config``) on the embedded engine (``embedded-M``) and through Flower's
+ServerApp and ClientApp on an in-process grid whose messages cross Flower's protobuf both ways
+(``wire-M``); every method whose embedded run keeps per-client state (``clients.safetensors``)
+also runs stopped after round 1 and resumed on a fresh grid (``wire-M-resumed``: the nodes'
+contexts are new, so the client state can only come from the run's checkpoints). One Flower
+simulation (one Ray start: ClientApps in Ray's worker processes) runs the methods of
+:data:`RAY_METHODS` the same way (``flower-M``) and NeFL under ``secure_aggregation`` (Flower's
+SecAgg+: ``flower-nefl-secure``; :func:`secure_contract_config`). What Ray adds (processes,
+resources) is the same for every method, so a new method is picked up from the registry on the
+grid without an edit here and without another Ray run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -26,7 +31,7 @@ from nefl_zoo.fl.registry import registered_methods
 from nefl_zoo.fl.secagg import SecureAggregation
 from nefl_zoo.fl.strategy import ClientInfo
 
-from ..conftest import contract_config, contract_run
+from ..conftest import contract_config, contract_run, set_server_identity
 
 CLIENT_STATES = "clients.safetensors"
 
@@ -48,27 +53,41 @@ class Rounds:
 
 
 OBSERVED = Rounds()  # follows the simulation's NeFL run (observers run in the ServerApp's thread)
+RAY_METHODS = ("nefl",)  # its observer and bytes per node are checked on Ray
 _RUNS: dict[str, Path] = {}
+
+
+def _with_resume(config, out: Path, name: str, embedded: Path) -> list[tuple]:
+    """``(config, folder, resume)`` of ``name``'s run, and of its stop after round 1 and resume
+    where the embedded run keeps per-client state."""
+    runs = [(config, out / name, False)]
+    if (embedded / CLIENT_STATES).exists():
+        stopped = config.model_copy(update={"rounds": 1})
+        runs += [(stopped, out / f"{name}-resumed", False), (config, out / f"{name}-resumed", True)]
+    return runs
 
 
 def simulation(tmp_path_factory) -> Path:
     """The folder holding every run above, made once per session (one Flower simulation)."""
     if "out" not in _RUNS:
-        from nefl_zoo.fl.flower import SimulatedRun, simulate_runs
+        from nefl_zoo.fl.flower import FlowerEngine, SimulatedRun, simulate_runs
 
-        torch.set_num_threads(1)  # the simulation's clients train with one thread each: the same arithmetic
-        out = tmp_path_factory.mktemp("flower-simulation")
-        runs = []
+        torch.set_num_threads(1)  # the clients train with one thread each: the same arithmetic
+        out = tmp_path_factory.mktemp("flower-runs")
+        ray_runs = []
         for method in registered_methods():
-            config = contract_config(method)
-            shutil.copytree(contract_run(tmp_path_factory, method), out / f"embedded-{method}")
-            runs.append(SimulatedRun(config, out / f"flower-{method}", observer=OBSERVED if method == "nefl" else None))
-            if (out / f"embedded-{method}" / CLIENT_STATES).exists():
-                resumed = out / f"flower-{method}-resumed"
-                stopped = config.model_copy(update={"rounds": 1})  # stopped after round 1, then resumed
-                runs += [SimulatedRun(stopped, resumed), SimulatedRun(config, resumed, resume=True)]
-        runs.append(SimulatedRun(secure_contract_config(), out / "flower-nefl-secure"))
-        simulate_runs(runs, threads=1)
+            config, embedded = contract_config(method), out / f"embedded-{method}"
+            shutil.copytree(contract_run(tmp_path_factory, method), embedded)
+            for run_config, folder, resume in _with_resume(config, out, f"wire-{method}", embedded):
+                grid = InProcessGrid(config.clients.num_clients, wire=True)
+                with pytest.MonkeyPatch.context() as mp:
+                    set_server_identity(mp)
+                    FlowerEngine(run_config, folder, grid, timeout=30).run(resume=resume)
+            if method in RAY_METHODS:
+                ray_runs += [SimulatedRun(c, f, resume=r, observer=OBSERVED if (method, r) == ("nefl", False) else None)
+                             for c, f, r in _with_resume(config, out, f"flower-{method}", embedded)]
+        ray_runs.append(SimulatedRun(secure_contract_config(), out / "flower-nefl-secure"))
+        simulate_runs(ray_runs, threads=1)
         _RUNS["out"] = out
     return _RUNS["out"]
 

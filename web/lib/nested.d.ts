@@ -66,6 +66,12 @@ export function sha256Hex(bytes: Uint8Array | ArrayBuffer): Promise<string>;
 /** The ModelProto's metadata_props, read from the file's bytes without a session. */
 export function readMetadataProps(bytes: Uint8Array | ArrayBuffer): Record<string, string>;
 
+/** The names of every tensor of a serialized model whose data lives in an external file. */
+export function externalTensors(bytes: Uint8Array | ArrayBuffer): string[];
+
+/** Session options that keep one copy of a nested model's shared weights (constant folding off). */
+export function lowMemoryOptions<T extends { extra?: object }>(sessionOptions?: T): T & { extra: object };
+
 /** The tier table of a nested model's bytes: list its tiers without creating a session. */
 export function readNestedMetadata(bytes: Uint8Array | ArrayBuffer): NestedMetadata;
 
@@ -100,7 +106,10 @@ export interface LoadOptions {
   size?: number | null;
   /** Passed to `InferenceSession.create`. */
   sessionOptions?: object;
+  /** One copy of the shared weights in the session (constant folding off; slower runs). */
+  lowMemory?: boolean;
 }
 
-/** A NestedModel from the bytes of a nested `.onnx` file, checked first when `size` / `sha256` are given. */
+/** A NestedModel from the bytes of a nested `.onnx` file, checked first when `size` / `sha256`
+ * are given; a model keeping a tensor in external data is refused. */
 export function loadNestedModel(ort: OrtModule, bytes: Uint8Array | ArrayBuffer, options?: LoadOptions): Promise<NestedModel>;

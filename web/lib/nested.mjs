@@ -5,6 +5,8 @@
  *
  *   const model = await loadNestedModel(ort, bytes, { sha256: entry.sha256, size: entry.bytes });
  *   const { logits, dims } = await model.run("g0.6", images, batch);
+ *
+ * `{ lowMemory: true }` keeps one copy of the shared weights in the session (slower runs).
  */
 
 import { sha256 } from "@noble/hashes/sha2.js";
@@ -69,6 +71,79 @@ export function readMetadataProps(bytes) {
     props[key] = entry;
   }
   return props;
+}
+
+// Field numbers of onnx/onnx.proto that can hold a tensor: ModelProto {7: graph, 25: functions},
+// GraphProto {1: node, 5: initializer, 15: sparse_initializer}, NodeProto {5: attribute},
+// FunctionProto {7: node}, AttributeProto {5: t, 6: g, 10: tensors, 11: graphs, 22: sparse_tensor,
+// 23: sparse_tensors}, SparseTensorProto {1: values, 2: indices}, TensorProto {8: name,
+// 13: external_data, 14: data_location (1: EXTERNAL)}.
+function tensorExternal(tensor) {
+  let name = "";
+  let external = false;
+  for (const [field, wire, value] of fields(tensor)) {
+    if (field === 8 && wire === 2) name = new TextDecoder().decode(value);
+    else if ((field === 13 && wire === 2) || (field === 14 && wire === 0 && value === 1)) external = true;
+  }
+  return external ? name || "<unnamed tensor>" : null;
+}
+
+function* sparseExternal(sparse) {
+  for (const [field, wire, value] of fields(sparse)) {
+    if (wire === 2 && (field === 1 || field === 2)) {
+      const found = tensorExternal(value);
+      if (found) yield found;
+    }
+  }
+}
+
+function* nodeExternal(node) {
+  for (const [field, wire, attribute] of fields(node)) {
+    if (field !== 5 || wire !== 2) continue;
+    for (const [f, w, value] of fields(attribute)) {
+      if (w !== 2) continue;
+      if (f === 5 || f === 10) {
+        const found = tensorExternal(value);
+        if (found) yield found;
+      } else if (f === 22 || f === 23) yield* sparseExternal(value);
+      else if (f === 6 || f === 11) yield* graphExternal(value);
+    }
+  }
+}
+
+function* graphExternal(graph) {
+  for (const [field, wire, value] of fields(graph)) {
+    if (wire !== 2) continue;
+    if (field === 5) {
+      const found = tensorExternal(value);
+      if (found) yield found;
+    } else if (field === 15) yield* sparseExternal(value);
+    else if (field === 1) yield* nodeExternal(value);
+  }
+}
+
+/** The names of every tensor of a serialized ModelProto whose data lives in an external file
+ * (initializers, sparse initializers, attribute tensors; in the main graph, every subgraph and
+ * every model-local function), as nefl_zoo.runtime.wire walks it. */
+export function externalTensors(bytes) {
+  const found = [];
+  for (const [field, wire, value] of fields(toBytes(bytes))) {
+    if (wire !== 2) continue;
+    if (field === 7) found.push(...graphExternal(value));
+    else if (field === 25) {
+      for (const [f, w, node] of fields(value)) if (f === 7 && w === 2) found.push(...nodeExternal(node));
+    }
+  }
+  return found;
+}
+
+/** Session options that keep one copy of a nested model's shared weights: onnxruntime's constant
+ * folding off (`optimization.disable_specified_optimizers`), so each tier's weights are cut out
+ * of them at every run instead of held per tier (slower; see the nested model's documentation). */
+export function lowMemoryOptions(sessionOptions = {}) {
+  const extra = sessionOptions.extra ?? {};
+  return { ...sessionOptions,
+    extra: { ...extra, optimization: { ...(extra.optimization ?? {}), disable_specified_optimizers: "ConstantFolding" } } };
 }
 
 /** The tier table (parsed JSON) a nested model stores under `nefl_zoo.nested`. */
@@ -154,8 +229,9 @@ export class NestedModel {
 
 /** A NestedModel from the bytes of a nested `.onnx` file. When `size` (the manifest's
  * `bytes`) and `sha256` (hex) are given the bytes are checked first, the size before the hash:
- * a mismatch throws before any session is created. */
-export async function loadNestedModel(ort, bytes, { sha256, size, sessionOptions } = {}) {
+ * a mismatch throws before any session is created; so does a model that keeps a tensor in
+ * external data (bytes no hash covers). `lowMemory`: see `lowMemoryOptions`. */
+export async function loadNestedModel(ort, bytes, { sha256, size, sessionOptions, lowMemory = false } = {}) {
   const data = toBytes(bytes);
   if (size != null && data.length !== size) {
     throw new Error(`size mismatch: the manifest declares ${size} bytes, got ${data.length}: ` +
@@ -168,7 +244,13 @@ export async function loadNestedModel(ort, bytes, { sha256, size, sessionOptions
         "the file is not the one the manifest describes; refusing to load it");
     }
   }
+  const external = externalTensors(data);
+  if (external.length) {
+    const more = external.length > 1 ? ` (and ${external.length - 1} more)` : "";
+    throw new Error(`nested model: tensor ${external[0]}${more} is stored as external data, which no hash covers ` +
+      "(refused; export self-contained files)");
+  }
   const metadata = readNestedMetadata(data);
-  const session = await ort.InferenceSession.create(data, sessionOptions);
+  const session = await ort.InferenceSession.create(data, lowMemory ? lowMemoryOptions(sessionOptions) : sessionOptions);
   return new NestedModel(ort, session, metadata);
 }

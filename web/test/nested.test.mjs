@@ -9,7 +9,9 @@ import { test } from "node:test";
 
 import * as ort from "onnxruntime-node";
 
-import { entryLabel, loadManifestEntry, loadNestedModel, manifestFiles, readNestedMetadata, sha256Hex } from "nefl-zoo-web/nested";
+import {
+  entryLabel, externalTensors, loadManifestEntry, loadNestedModel, lowMemoryOptions, manifestFiles, readNestedMetadata, sha256Hex,
+} from "nefl-zoo-web/nested";
 
 const { NEFL_EXPORT_DIR: DIR, NEFL_CASES } = process.env;
 const SKIP = DIR && NEFL_CASES ? false : "NEFL_EXPORT_DIR and NEFL_CASES are not set (tests/test_node.py sets them)";
@@ -110,4 +112,61 @@ test("bytes without the tier table are refused clearly", () => {
   assert.throws(() => readNestedMetadata(model("nefl_zoo.nested", "{}")), /not a nefl-zoo-nested tier table/);
   const table = { format: "nefl-zoo-nested", version: 1, tiers: [{ index: 0, name: "g1.0" }] };
   assert.deepEqual(readNestedMetadata(model("nefl_zoo.nested", JSON.stringify(table)).buffer), table);
+});
+
+// ---- external data refused; the low-memory mode
+
+
+// A hand-written ModelProto: fields as [number, value] (a string or bytes: length-delimited; a
+// number: a varint), nested messages as arrays.
+function encode(fieldsList) {
+  const out = [];
+  const varint = (n) => { do { out.push((n & 0x7f) | (n > 0x7f ? 0x80 : 0)); n >>>= 7; } while (n); };
+  for (const [field, value] of fieldsList) {
+    if (typeof value === "number") { varint(field * 8); varint(value); continue; }
+    const bytes = typeof value === "string" ? new TextEncoder().encode(value) : Array.isArray(value) ? encode(value) : value;
+    varint(field * 8 + 2); varint(bytes.length); out.push(...bytes);
+  }
+  return Uint8Array.from(out);
+}
+
+test("a model keeping a tensor in external data is refused before any session is created", async () => {
+  const table = JSON.stringify({ format: "nefl-zoo-nested", version: 1, tiers: [{ index: 0, name: "g1" }] });
+  const metadata = [14, [[1, "nefl_zoo.nested"], [2, table]]];
+  const external = (name) => [[8, name], [13, [[1, "location"], [2, "weights.bin"]]], [14, 1]];
+  const inGraph = (tensor) => [[5, tensor]]; // an initializer
+  const ifNode = (tensor) => [[1, [[4, "If"], [5, [[1, "then_branch"], [6, inGraph(tensor)]]]]]]; // a branch's initializer
+  const models = {
+    planted: [[1, 8], [7, inGraph(external("planted"))], metadata],
+    branch: [[1, 8], [7, ifNode(external("branch"))], metadata],
+    constant: [[1, 8], [25, [[7, [[4, "Constant"], [5, [[1, "value"], [5, external("constant")]]]]]]], metadata], // in a function
+  };
+  let created = 0;
+  const spy = { ...ort, InferenceSession: { create: () => { created++; throw new Error("not reached"); } } };
+  for (const [name, fieldsList] of Object.entries(models)) {
+    const bytes = encode(fieldsList);
+    assert.deepEqual(externalTensors(bytes), [name]);
+    await assert.rejects(loadNestedModel(spy, bytes), (err) => {
+      assert.equal(err.message, `nested model: tensor ${name} is stored as external data, which no hash covers ` +
+        "(refused; export self-contained files)");
+      return true;
+    });
+  }
+  assert.equal(created, 0);
+  assert.deepEqual(externalTensors(encode([[1, 8], [7, inGraph([[8, "inside"], [9, "AAAA"]])], metadata])), []);
+});
+
+test("the low-memory mode turns constant folding off and gives the same logits", { skip: SKIP }, async () => {
+  assert.deepEqual(lowMemoryOptions({ logSeverityLevel: 3, extra: { session: { x: "1" } } }),
+    { logSeverityLevel: 3, extra: { session: { x: "1" }, optimization: { disable_specified_optimizers: "ConstantFolding" } } });
+  const { file, sha256, size } = manifestFiles(manifest)[0];
+  const bytes = readFileSync(join(DIR, file));
+  const options = [];
+  const spy = { ...ort, InferenceSession: { create: (data, o) => (options.push(o), ort.InferenceSession.create(data, o)) } };
+  const model = await loadNestedModel(spy, bytes, { sha256, size, lowMemory: true });
+  assert.equal(options[0].extra.optimization.disable_specified_optimizers, "ConstantFolding");
+  for (const entry of manifest.tiers.filter((e) => e.file === file)) {
+    const { input, dims, logits } = CASES[entryLabel(entry)];
+    assertClose((await model.run(entry.name, Float32Array.from(input), dims[0])).logits, logits, 1e-4, `${entryLabel(entry)} (low memory)`);
+  }
 });

@@ -1,6 +1,6 @@
 """``AutoNestedNet``: a traced torchvision / timm / user network that keeps the zoo's contract.
 
-The tier's graph module (:func:`~nefl_zoo.nest.slim.build_graph`) lends its layers to a
+The tier's graph module (:func:`~nefl_zoo.nesting.slim.build_graph`) lends its layers to a
 :class:`~nefl_zoo.models.NestedNet` under their original names (so torchvision's and timm's
 state dicts load directly), plus ``{block}.step`` for every kept skippable block.
 """

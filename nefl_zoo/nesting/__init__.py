@@ -1,14 +1,14 @@
 """Automatic nesting of any traceable CNN or vision transformer: ``torchvision:NAME`` /
 ``timm:NAME`` model names and :func:`nest` for a user's own ``nn.Module``.
 
-A channel-dependency analysis of the torch.fx graph (:mod:`.channels`, on id tensors
-:mod:`.ids`, through data movement :mod:`.movement` and attention :mod:`.attention`) groups the
-channels that must be kept together (a head is one group member: whole heads nest); each
-group is nested by prefix (:mod:`.plan`); blocks whose
-branch is added to an identity shortcut get a step size and can be removed
-(:mod:`.residual`); each tier is a physically slimmed graph module (:mod:`.slim`) behind the
-zoo's model contract (:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling,
-auto-tier and ONNX export use it unchanged.
+A channel-dependency analysis of the torch.fx graph (:mod:`.channels` and :mod:`.layers`, on
+id tensors :mod:`.ids`, through data movement :mod:`.movement` and attention :mod:`.attention`)
+groups the channels that must be kept together (a head is one group member: whole heads nest);
+each group is nested by prefix (:mod:`.plan`); blocks whose branch is added to an identity
+shortcut get a step size and can be removed (:mod:`.residual`); each tier is a physically
+slimmed graph module (:mod:`.slim`) behind the zoo's model contract
+(:class:`.net.AutoNestedNet`), so the spec compiler, NeFedAvg, profiling, auto-tier and ONNX
+export use it unchanged.
 
 Importing this package registers the ``torchvision`` and ``timm`` sources with the model
 registry (:func:`~nefl_zoo.models.registry.register_source`), so ``create_model("timm:NAME")``
@@ -48,6 +48,33 @@ def nest(module: nn.Module, example_input: torch.Tensor | Sequence[int], name: s
     size set ``in_chans`` and ``img_size``. Every tier starts from ``module``'s own weights
     (copied; ``module`` is not changed). ``name`` defaults to the class name in snake case.
     A module that cannot be nested raises :class:`NestError` naming the construct.
+
+    Args:
+        module: the network to nest, with its weights.
+        example_input: a tensor, or a shape ``(N, C, H, W)``, of the network's input.
+        name: the name to register it under.
+
+    Returns:
+        The registered name.
+
+    Raises:
+        NestError: the module cannot be nested; the message names the construct.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import nefl_zoo as nz
+        >>> class Tiny(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.conv, self.fc = nn.Conv2d(3, 16, 3, padding=1), nn.Linear(16, 4)
+        ...     def forward(self, x):
+        ...         return self.fc(self.conv(x).mean((2, 3)))
+        >>> name = nz.nest(Tiny(), (1, 3, 8, 8))
+        >>> name
+        'tiny'
+        >>> nz.create_model(name, gamma_w=0.25).conv
+        Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
     """
     from .net import AutoArgs, build_tier
     from .plan import cached_plan

@@ -17,11 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..models.registry import NestError
+
 PREFIXES = ("torchvision", "timm")
-
-
-class NestError(ValueError):
-    """A network that cannot be nested: one line naming the construct."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ def find_logits(out, model: str) -> tuple[tuple, torch.Tensor]:
 
 
 def example_shape(example_input) -> tuple[int, int, int, int]:
-    """The ``(N, C, H, W)`` of :func:`~nefl_zoo.nest.nest`'s example input (a tensor or a
+    """The ``(N, C, H, W)`` of :func:`~nefl_zoo.nesting.nest`'s example input (a tensor or a
     shape): whole, positive sizes of a square image, else one line saying what it got."""
     raw = example_input.shape if isinstance(example_input, torch.Tensor) else example_input
     try:
