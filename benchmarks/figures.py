@@ -433,10 +433,45 @@ def secagg(data: dict):
     return _done(fig, axes, f"SecAgg+ against plain Flower ({data['clients']} clients, NeFL)")
 
 
+def _peer_ratios(data: dict, *words: str) -> tuple[list[str], dict[str, list[float]]]:
+    """Every run's rows of bench_peer's tables with ``words`` in their columns: row labels, and
+    per nefl-zoo side the ratio (the ``x`` after its ``SIDE s`` column; NaN where it did not run)."""
+    labels, ratios = [], {}
+    for table in [t for t in tables(data) if all(w in t["columns"] for w in words)]:
+        cols = table["columns"]
+        sides = {c.removesuffix(" s"): i + 1 + (cols[i + 1] == "load") for i, c in enumerate(cols)
+                 if c.endswith(" s") and c not in ("authors s", "compile s") and i + 1 < len(cols)}
+        for row in table["rows"]:
+            model, method = row[0].split()[:2]
+            labels.append(" ".join([model, method.removeprefix("NeFL-"), *([row[1]] if "submodel" in words else [])]))
+            for side in dict.fromkeys([*ratios, *sides]):
+                ratios.setdefault(side, [np.nan] * (len(labels) - 1)).append(
+                    number(row[sides[side]]) if side in sides else np.nan)
+    return labels, ratios
+
+
+def peer(data: dict):
+    """Per case (median round) and per submodel (one client): the authors' seconds over each
+    nefl-zoo side's, every run's cases together."""
+    fig, (ax1, ax2) = _figure(2, width=5.5)
+    cases, per_case = _peer_ratios(data, "authors s", "load range")
+    _bars(ax1, cases, per_case)
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax1.axhline(1.5, color="grey", lw=0.8, ls="--")
+    ax1.set_ylabel("authors' median round / nefl-zoo's")
+    ax1.legend(fontsize=7)
+    labels, per_tier = _peer_ratios(data, "submodel", "authors s")
+    _hbars(ax2, labels, {side: (values, [0] * len(labels)) for side, values in per_tier.items()})
+    ax2.axvline(1.0, color="k", lw=0.8)
+    ax2.set_xlabel("authors' time / nefl-zoo's (per client)")
+    ax2.legend(fontsize=7)
+    return _done(fig, [ax1, ax2], "nefl-zoo against the NeFL authors' code, the same rounds (dashed: 1.5x)")
+
+
 FIGURES: dict[str, Callable[[dict], "matplotlib.figure.Figure"]] = {
     "accel": accel, "autonest": autonest, "batched_order": batched_order, "cli": cli, "clock": clock, "compare": compare,
     "device_classes": device_classes,
     "edge": edge, "export": export, "fedavg_mnist": fedavg_mnist, "fedlps": fedlps, "fl": fl, "flower": flower,
-    "latency": latency, "nested": nested, "nested_mnist": nested_mnist, "quant": quant, "robust": robust,
+    "latency": latency, "nested": nested, "nested_mnist": nested_mnist, "peer": peer, "quant": quant, "robust": robust,
     "secagg": secagg, "slim": slim,
 }

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from .client import ClientResult, fit, training_batches
 from .device import placement, to_cpu
-from .local import LocalModel
+from .local import LocalModel, impure_reason
 from .strategy import Instruction, Reply, Strategy
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,10 @@ def _why_not(local: LocalModel | None) -> str | None:
     """Why ``local`` cannot train batched, or ``None`` when it can."""
     if local is None:
         return "its client step is not plain local training"
-    if not local.batchable:
-        return f"its client model ({type(local).__name__}) has a loss that is not a pure function of its tensors"
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in local.modules()):
-        return "its client model uses dropout (random per batch)"
-    if placement().precision == "fp16":
+    reason = impure_reason(local)
+    if reason is None and placement().precision == "fp16":
         return "precision fp16 needs a gradient scaler per client"
-    return None
+    return reason
 
 
 def _group_key(local: LocalModel, instruction: Instruction) -> tuple:

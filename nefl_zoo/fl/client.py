@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -13,6 +14,7 @@ from .batches import ordered_batches, shuffled_batches
 from .device import placement, to_cpu
 from .local import LocalModel
 from .settings import TrainConfig
+from .step import MEMORY_FORMATS, LocalForward
 from .strategy import Reply
 
 
@@ -23,7 +25,7 @@ class ClientResult:
     Attributes:
         state: the trained tensors, on the CPU.
         num_samples: the client's training samples.
-        metrics: the mean loss and the training accuracy.
+        metrics: the mean loss, the training accuracy and, compiled, ``compile_s``.
     """
 
     state: dict[str, torch.Tensor]
@@ -31,8 +33,8 @@ class ClientResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def reply(self, level: str | None) -> Reply:
-        """The reply of a client of ``level`` that trained: its state, sample count, mean loss
-        and training accuracy.
+        """The reply of a client of ``level`` that trained: its state, sample count, mean loss,
+        training accuracy and, compiled, ``compile_s``.
 
         Args:
             level: the tier the client trained.
@@ -40,7 +42,8 @@ class ClientResult:
         Returns:
             The reply to send the server.
         """
-        return Reply(self.state, {"accuracy": self.metrics["accuracy"]}, num_samples=self.num_samples,
+        metrics = {k: self.metrics[k] for k in ("accuracy", "compile_s") if k in self.metrics}
+        return Reply(self.state, metrics, num_samples=self.num_samples,
                      loss=self.metrics["loss"], level=level)
 
 
@@ -78,12 +81,13 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
 def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     """SGD on ``dataset`` as an instruction's ``config`` says (``lr``, ``local_epochs``,
     ``batch_size``, ``min_batch``, ``last_batch``, ``momentum``, ``weight_decay``, optional
-    ``grad_clip``, ``seed``), on the
-    device and in the precision of the current :func:`~nefl_zoo.fl.device.placement`.
+    ``grad_clip``, ``seed``), on the device, in the precision and the way (compiled or not, in a
+    memory format: :mod:`.step`) of the current :func:`~nefl_zoo.fl.device.placement`.
 
     All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
     global RNG state is left untouched, so results do not depend on what ran before. ``local``
-    is moved to the device; the returned state is on the CPU.
+    is moved to the device; the returned state is on the CPU. Compiled, the metrics hold
+    ``compile_s``: the seconds of this client's steps that compiled a structure.
 
     Args:
         local: the client's model, as its method builds it.
@@ -95,18 +99,21 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     """
     where = placement()
     seed, grad_clip = int(config["seed"]), config.get("grad_clip")
-    local.to(where.device)
+    local.to(where.device, memory_format=MEMORY_FORMATS[where.memory_format])
     params = [p for p in local.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
     scaler = where.scaler()
-    total_loss, correct, seen = 0.0, 0, 0
+    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"], weight_decay=config["weight_decay"])
+    forward = LocalForward(local, where, int(config["batch_size"]))
+    total_loss, correct, seen, compile_s = 0.0, 0, 0, 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         local.train()
         for x, y in training_batches(dataset, config, where.device):
+            x = forward.prepare(x)
+            started = time.perf_counter() if forward.compiles(x) else None
             optimizer.zero_grad(set_to_none=True)
             with where.autocast():
-                loss, logits = local.loss(x, y)
+                loss, logits = forward(x, y)
             if scaler is None:
                 loss.backward()
             else:
@@ -122,7 +129,13 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
             total_loss += float(loss.detach()) * len(y)
             correct += int((logits.argmax(1) == y).sum())
             seen += len(y)
+            if started is not None:
+                compile_s += time.perf_counter() - started
+    if forward.channels_last:
+        local.to(memory_format=torch.contiguous_format)
     metrics = {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1)}
+    if forward.compiled:
+        metrics["compile_s"] = compile_s
     return ClientResult(to_cpu(local.state()), len(dataset), metrics)
 
 

@@ -1,4 +1,5 @@
-"""Where clients train and models are evaluated: ``train.device`` and ``train.precision``.
+"""Where clients train and models are evaluated: ``train.device`` and ``train.precision`` (and
+how local training computes there: ``train.compile``, ``train.memory_format``).
 
 :func:`resolve_device` turns the config's name into a ``torch.device`` (the one place that does),
 refusing an absent one. A :class:`Placement` (device and precision) is set for a block of code
@@ -52,15 +53,18 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Placement:
-    """A device and a precision (``fp32``, ``bf16``, ``fp16``)."""
+    """A device and a precision (``fp32``, ``bf16``, ``fp16``), and how local training runs
+    there: compiled or not, in a memory format (``contiguous``, ``channels_last``)."""
 
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    compile: bool = False
+    memory_format: str = "contiguous"
 
     @classmethod
     def of(cls, train) -> "Placement":
         """The placement of a :class:`~nefl_zoo.fl.settings.TrainConfig` (its device resolved)."""
-        return cls(resolve_device(train.device), train.precision)
+        return cls(resolve_device(train.device), train.precision, train.compile, train.memory_format)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to the precision on the device (nothing for fp32)."""

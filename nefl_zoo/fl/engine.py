@@ -194,6 +194,8 @@ class Engine:
                 for cid, i in instructions.items()
             },
             "time_s": round(time.perf_counter() - start, 4),
+            **({"compile_s": round(sum(float(r.metrics.get("compile_s", 0.0)) for r in replies.values()), 4)}
+               if self.placement.compile else {}),
             **(timing.record(self.strategy.info.levels) if timing else {}),
             **({"device_classes": self.device_classes.participation(instructions, timing)} if self.device_classes else {}),
             **result.metrics,  # the aggregation's (epsilon, clipped)

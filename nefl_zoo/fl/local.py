@@ -50,6 +50,16 @@ class SubmodelLocal(LocalModel):
         return {k: v.detach().clone() for k, v in self.net.state_dict().items() if k not in self.exclude}
 
 
+def impure_reason(local: LocalModel) -> str | None:
+    """Why ``local``'s loss is not a pure function of its tensors and batch (it cannot be
+    batched or compiled with the same results as eager training), or ``None`` when it is."""
+    if not local.batchable:
+        return f"its client model ({type(local).__name__}) has a loss that is not a pure function of its tensors"
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in local.modules()):
+        return "its client model uses dropout (random per batch)"
+    return None
+
+
 def load_entries(module: nn.Module, state: Mapping[str, torch.Tensor], unused: Iterable[str] = ()) -> None:
     """Load ``state`` into ``module``; only buffers and the ``unused`` keys may be missing."""
     missing, unexpected = module.load_state_dict(state, strict=False)

@@ -112,12 +112,24 @@ class TrainConfig(Strict):
     parallel_clients: int = Field(
         1, ge=1, description="clients of one submodel trained together (torch.func.vmap over stacked weights); 1: one at a time"
     )
+    compile: bool = Field(
+        False, description="compile each submodel's training step with torch.compile, once per submodel structure, reused "
+        "by every client and round (its first step's seconds: compile_s in the round record); needs a C++ compiler on the CPU")
+    memory_format: Literal["contiguous", "channels_last"] = Field(
+        "contiguous", description="layout of images and convolution weights in local training (channels_last: NHWC)")
 
     @model_validator(mode="after")
     def _min_batch_within_a_batch(self) -> "TrainConfig":
         if self.min_batch > self.batch_size:
             raise ValueError(f"min_batch {self.min_batch} is above batch_size {self.batch_size}, so every batch would "
                              f"be dropped; use a min_batch of at most {self.batch_size} (1 keeps every batch)")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_one_client_at_a_time(self) -> "TrainConfig":
+        if self.compile and self.parallel_clients > 1:
+            raise ValueError(f"compile trains one client at a time, but parallel_clients is {self.parallel_clients} (clients "
+                             "batched under vmap); set parallel_clients: 1 or compile: false")
         return self
 
     @field_validator("device")
