@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install-check bench clean mutation docs docs-serve
+.PHONY: demo test test-compile install-check bench clean mutation docs docs-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,12 @@ demo: $(STAMP)
 	$(BIN)/nefl-zoo select exports/demo --max-params 200000
 
 test: $(STAMP) $(WEB_STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not compile"
+
+# The tests that compile with TorchInductor (marker `compile`): tens of seconds on a machine
+# whose TorchInductor cache is empty, so CI runs them once, apart from the suite.
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -m compile
 
 # The product as users get it (.ci/install-check): the sdist and the wheel built once, the wheel
 # installed into a fresh virtualenv at the newest releases the dependency ranges allow and at

@@ -5,7 +5,9 @@ two-round digits runs of a ResNet20 cut to one residual block and two projection
 8x8, two tiers. TorchInductor compiles one of them, made once for the file: its clients alone
 train in the runs that compare compiled with eager training (each TorchInductor compilation
 costs seconds with a warm cache and tens of seconds without); the one compilation per
-structure is counted on both tiers through a backend that only counts."""
+structure is counted on both tiers through a backend that only counts. The tests that read the
+TorchInductor runs are marked ``compile``: ``make test`` leaves them out (tens of seconds on a
+fresh machine), ``make test-compile`` and CI run them."""
 
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.compile
 def test_compiled_training_equals_eager_training_to_float64_rounding(runs):
     """Two rounds of four clients, SGD with momentum, BN statistics and learnable step sizes."""
     eager, compiled = runs.eager.state, runs.compiled.state
@@ -122,10 +125,12 @@ def test_each_tier_structure_compiles_once_for_every_client_and_round(tmp_path, 
     assert records[0]["compile_s"] > 0 and records[1]["compile_s"] == 0.0
 
 
+@pytest.mark.compile
 def test_an_eager_run_records_no_compile_time(runs):
     assert all("compile_s" not in r for r in runs.records["eager"])
 
 
+@pytest.mark.compile
 def test_a_compiled_run_resumed_is_bit_identical(runs):
     assert runs.recompiled == 1  # the resumed run compiled its own step
     straight, resumed = runs.compiled.state, runs.resumed.state
