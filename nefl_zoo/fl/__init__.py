@@ -6,12 +6,12 @@ Every method is a :class:`Strategy` (Flower-shaped hooks, registered by name in
 runs the hooks in-process and a :class:`~.store.RunStore` owns the run directory.
 """
 
-from .aggregate import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
-from .client import ClientResult, evaluate, fit, learning_rate
+from .aggregation.nefedavg import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
+from .training.client import ClientResult, evaluate, fit, learning_rate
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .engine import Engine, RunResult, train
-from .registry import get_method, register_method, registered_methods
-from .strategy import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, Strategy
+from .strategy.registry import get_method, register_method, registered_methods
+from .strategy.base import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, Strategy
 
 __all__ = [
     "ClientInfo", "ClientResult", "ConfigError", "Engine", "Instruction", "MethodInfo", "MethodSettings", "Reply", "Run", "RunConfig",

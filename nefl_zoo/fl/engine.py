@@ -5,7 +5,7 @@ instructions, :meth:`~nefl_zoo.fl.strategy.Strategy.train` runs on each client's
 its persistent client state), :meth:`~nefl_zoo.fl.strategy.Strategy.aggregate_train` merges
 the replies, and every ``eval.every`` rounds :meth:`~nefl_zoo.fl.strategy.Strategy.evaluate`
 scores the global state. Files, checkpoints and RNG state belong to the
-:class:`~nefl_zoo.fl.store.RunStore`; progress display belongs to the caller (an observer).
+:class:`~nefl_zoo.runs.store.RunStore`; progress display belongs to the caller (an observer).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .batched import train_clients
-from .client import learning_rate
-from .clock import TierCosts, VirtualClock
+from .training.parallel import train_clients
+from .training.client import learning_rate
+from .devices.clock import TierCosts, VirtualClock
 from .config import ConfigError, RunConfig, parse_config
-from .data import FederatedData, load_data
-from .device_classes import DeviceClasses
-from .device_data import PartitionError
-from .device import Placement, placed
-from .store import Checkpoint, RunExistsError, RunStore, saved_config
-from .strategy import Aggregate, ClientInfo, Instruction, Reply, Strategy
+from ..data.loading import FederatedData, load_data
+from .devices.classes import DeviceClasses
+from ..data.device_partition import PartitionError
+from .training.device import Placement, placed
+from ..runs.store import Checkpoint, RunExistsError, RunStore, saved_config
+from .strategy.base import Aggregate, ClientInfo, Instruction, Reply, Strategy
 
 __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_groups", "resume_config", "train"]
 
@@ -244,7 +244,7 @@ class Engine:
         ``kind`` ``"train"`` runs :meth:`~Strategy.train` (with the client's persistent state),
         ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split.
         With ``train.parallel_clients`` > 1, clients that can train together do
-        (:func:`~nefl_zoo.fl.batched.train_clients`).
+        (:func:`~nefl_zoo.fl.training.parallel.train_clients`).
 
         Args:
             kind: ``train`` or ``evaluate``.

@@ -18,10 +18,10 @@ from torch import nn
 from pydantic import Field, model_validator
 
 from ...slim import CompiledSpec, SliceEntry, compile_spec, tier_key
-from ..local import LocalModel, load_entries
-from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, largest, module_macs, width_spec
+from ..strategy.local_model import LocalModel, load_entries
+from ..strategy.registry import register_method
+from ..strategy.base import MethodSettings, Run
+from .common import Nested, largest, module_macs, width_spec
 
 
 def _positions(index) -> torch.Tensor:

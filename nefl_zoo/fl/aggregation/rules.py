@@ -25,12 +25,12 @@ from typing import Literal, Mapping
 import torch
 from pydantic import Field, model_validator
 
-from ..slim import SliceEntry
-from ..userfiles import field_error
-from .aggregate import Update, check_update, nefedavg
+from ...slim import SliceEntry
+from ...userfiles import field_error
+from .nefedavg import Update, check_update, nefedavg
 from .privacy import epsilon, noise_generator, private_mean
 from .robust import clip_update, coordinate_rule
-from .settings import Strict
+from ...userfiles import Strict
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch
 
-from ..slim import SliceEntry
+from ...slim import SliceEntry
 
 log = logging.getLogger(__name__)
 

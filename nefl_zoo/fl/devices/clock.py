@@ -24,9 +24,9 @@ from typing import Mapping, Sequence
 import numpy as np
 from torch import nn
 
-from ..slim import compile_spec
+from ...slim import compile_spec
 from .population import DevicesConfig, Population
-from .strategy import ClientInfo, Strategy
+from ..strategy.base import ClientInfo, Strategy
 
 BYTES_PER_ELEMENT = 4  # float32
 TRAIN_MACS_FACTOR = 3  # forward + backward (about twice the forward)
@@ -35,7 +35,7 @@ TRAIN_MACS_FACTOR = 3  # forward + backward (about twice the forward)
 def activation_bytes(module: nn.Module, input_size: tuple[int, ...]) -> int:
     """Bytes of every leaf module's output on one input of ``input_size``: what a training step
     keeps per image for the backward pass."""
-    from ..profile import leaf_tensor_bytes
+    from ...profile import leaf_tensor_bytes
 
     return sum(output for _, output in leaf_tensor_bytes(module, input_size))
 
@@ -54,7 +54,7 @@ class TierCosts:
     def of(cls, strategy: Strategy, batch_size: int) -> "TierCosts":
         """The costs of every tier of the strategy's run spec, with the method's own MACs and
         sizes for the levels it trains; ``ValueError`` when it trains levels that are not tiers."""
-        from ..profile import macs_signature, tier_macs  # fvcore: imported only when counted
+        from ...profile import macs_signature, tier_macs  # fvcore: imported only when counted
 
         spec = strategy.run.spec
         compiled = compile_spec(spec)

@@ -13,7 +13,7 @@ import importlib
 import pkgutil
 from typing import Any, Callable, Mapping, TypeVar
 
-from .strategy import MethodSettings, Strategy
+from .base import MethodSettings, Strategy
 
 BUILTIN = "nefl_zoo.fl.methods"
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..datasets import NORMALIZATION, per_channel
+from .datasets import NORMALIZATION, per_channel
 from .mnist import open_split
 
 EXPECTED = {

@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from .aggregate import Update
+from .nefedavg import Update
 
 
 def update_norm(global_state: Mapping[str, torch.Tensor], update: Update) -> float:

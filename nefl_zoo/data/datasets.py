@@ -1,7 +1,7 @@
 """What is known about each image dataset, without loading any: normalisation, class names and
 the error for a missing one.
 
-A leaf module (standard library only), shared by training (:mod:`nefl_zoo.fl.data`) and the
+A leaf module (standard library only), shared by training (:mod:`nefl_zoo.data.loading`) and the
 exporter (:mod:`nefl_zoo.export`), so that exporting does not import the training engine.
 """
 

@@ -8,24 +8,24 @@ read from ``root`` in their standard formats with torchvision's loaders, CINIC-1
 normalisation follow the NeFL appendix: random crop (padding 4; SVHN 2) and horizontal flip
 (SVHN: colour jitter instead, digits and the MNIST family: crop only). Partitions (IID,
 Dirichlet label skew, label shards, and data shaped by each client's device class,
-:mod:`.device_data`) are seeded.
+:mod:`.device_partition`) are seeded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
-from .settings import DataConfig
+from .datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
+from .config import DataConfig
 
 if TYPE_CHECKING:
-    from .population import DevicesConfig
+    from .device_partition import DeviceClass
 
 EXPECTED_FILES = {
     "cifar10": "cifar-10-batches-py/data_batch_1..5 and test_batch",
@@ -34,6 +34,13 @@ EXPECTED_FILES = {
     "cinic10": "train/<class>/*.png and test/<class>/*.png",
     "imagefolder": "train/<class>/<images> and test/<class>/<images> (or val/)",
 }
+
+
+class Devices(Protocol):
+    """What loading reads of the ``devices:`` section
+    (:class:`nefl_zoo.fl.devices.population.DevicesConfig`): its classes."""
+
+    classes: Sequence["DeviceClass"]
 
 
 @dataclass
@@ -251,7 +258,7 @@ def public_split(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
 
 
 def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int,
-              devices: "DevicesConfig | None" = None) -> FederatedData:
+              devices: Devices | None = None) -> FederatedData:
     """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it
     (``partition: devices`` by the device classes of ``devices``, :mod:`.device_data`)."""
     channels = input_size[0]
@@ -283,8 +290,7 @@ def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num
             return partition(labels, num_clients, cfg.partition, seed, cfg.alpha, cfg.shards_per_client)
         if devices is None:
             raise ValueError("data.partition: devices needs the devices section (its classes' data)")
-        from .device_data import device_partition
-        from .population import device_kinds
+        from .device_partition import device_kinds, device_partition
 
         return device_partition(labels, num_classes, device_kinds(devices.classes, num_clients, seed), devices.classes, seed)
 

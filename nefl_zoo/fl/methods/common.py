@@ -19,14 +19,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
-from ..spec import SubmodelSpec, TierSpec
-from .aggregate import Update
-from .aggregation import aggregate_updates
-from .bn import BN_TREATMENTS, recompute_batches, recompute_bn
-from .client import evaluate, fit, learning_rate
-from .local import LocalModel, SubmodelLocal, load_entries
-from .strategy import Aggregate, ClientInfo, ConfigValue, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
+from ...spec import SubmodelSpec, TierSpec
+from ..aggregation.nefedavg import Update
+from ..aggregation.rules import aggregate_updates
+from ..aggregation.secagg import SecureAggregation, sum_error
+from ..training.bn import BN_TREATMENTS, recompute_batches, recompute_bn
+from ..training.client import evaluate, fit, learning_rate
+from ..strategy.local_model import LocalModel, SubmodelLocal, load_entries
+from ..strategy.base import Aggregate, ClientInfo, ConfigValue, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def client_seed(run: Run, server_round: int, cid: int) -> int:
 
 
 def train_config(run: Run, server_round: int, cid: int) -> dict[str, ConfigValue]:
-    """The instruction config of local training (what :func:`~nefl_zoo.fl.client.fit` reads):
+    """The instruction config of local training (what :func:`~nefl_zoo.fl.training.client.fit` reads):
     round, client, seed, lr and the :class:`~nefl_zoo.fl.settings.TrainConfig` fields a client needs."""
     cfg = run.train
     out: dict[str, ConfigValue] = {
@@ -135,7 +136,7 @@ def bn_treatments(run: Run) -> tuple[str, ...]:
 def with_bn(model: nn.Module, treatment: str, run: Run, data) -> nn.Module:
     """``model`` in eval mode with the BN statistics of ``treatment`` (``recompute``: on
     ``eval.bn_batches`` batches of ``data.train_eval`` shuffled with the run seed,
-    :func:`~nefl_zoo.fl.bn.recompute_bn`, so every method and submodel sees the same batches)."""
+    :func:`~nefl_zoo.fl.training.bn.recompute_bn`, so every method and submodel sees the same batches)."""
     if treatment == "recompute":
         recompute_bn(model, recompute_batches(data.train_eval, run.train.batch_size, run.seed, run.eval.bn_batches))
     return model.eval()
@@ -165,7 +166,7 @@ def mean_accuracy_per_level(replies: Mapping[int, Reply], order: Sequence[str], 
 
 def module_macs(module: nn.Module, input_size: tuple[int, ...]) -> int:
     """Forward MACs of ``module`` per image of ``input_size`` (fvcore, :func:`~nefl_zoo.profile.count_macs`)."""
-    from ..profile import count_macs  # fvcore: imported only when counted
+    from ...profile import count_macs  # fvcore: imported only when counted
 
     return count_macs(module, input_size)
 
@@ -179,7 +180,7 @@ def random_level(levels: Sequence[str], rng: random.Random) -> str | None:
 class Nested(Strategy):
     """A nested method assembled from parts: a client trains one tier (its level) of a compiled
     spec, receives and returns that tier's slice of the global state, and
-    :func:`~nefl_zoo.fl.aggregate.nefedavg` averages every element over the clients holding it
+    :func:`~nefl_zoo.fl.aggregation.nefedavg.nefedavg` averages every element over the clients holding it
     (consistent tensors: NeFedAvg; ``KEY@TIER`` tensors: FedAvg per tier), or as ``run.aggregation``
     says (:func:`~nefl_zoo.fl.aggregation.aggregate_updates`: clipping, median, trimmed mean, DP,
     whose denominators are the clients :meth:`configure_train` assigned). Every tier is
@@ -264,7 +265,7 @@ class Nested(Strategy):
         multiply-add = 1): the method's ``train_macs``, by default the tier's slim module's."""
         if self._train_macs is not None:
             return self._train_macs(level)
-        from ..profile import macs_signature, tier_macs  # fvcore: imported only when counted
+        from ...profile import macs_signature, tier_macs  # fvcore: imported only when counted
 
         tier = self.compiled[level]
         return tier_macs(macs_signature(self.compiled.spec, tier.tier, self.compiled.input_size), tier.build)  # cached per signature
@@ -354,3 +355,15 @@ class Nested(Strategy):
         accuracy = evaluate(self.client_model(instruction.level, instruction.arrays), data, self.run.eval.batch_size)
         return Reply({}, {"accuracy": accuracy}, num_samples=len(data), level=instruction.level)
 
+
+def weight_scale(strategy: Strategy, partition_sizes: list[int], settings: SecureAggregation, clients: int) -> float:
+    """What clients multiply their weights by under secure aggregation so that every weight is
+    in ``(0, 1]``: 1 per client (``train.weighting: clients``), else ``1 / largest partition``;
+    ``ValueError`` when the smallest scaled weight is not clear of
+    :func:`~nefl_zoo.fl.aggregation.secagg.sum_error` (it would read as unheld)."""
+    weights = [w for n in partition_sizes if (w := reply_weight(strategy.run, Reply({}, num_samples=n), strategy.weighting)) > 0]
+    scale = 1 / max(weights)
+    if min(weights) * scale <= 2 * sum_error(settings, clients):
+        raise ValueError(f"secure_aggregation: the smallest client weight ({min(weights) * scale:.2g} scaled) is within "
+                         "SecAgg+'s quantisation error; raise quantization_range")
+    return scale

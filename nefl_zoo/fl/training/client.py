@@ -12,10 +12,10 @@ from torch.utils.data import Dataset
 
 from .batches import ordered_batches, shuffled_batches
 from .device import placement, to_cpu
-from .local import LocalModel
-from .settings import TrainConfig
+from ..strategy.local_model import LocalModel
+from ..strategy.sections import TrainConfig
 from .step import MEMORY_FORMATS, LocalForward
-from .strategy import Reply
+from ..strategy.base import Reply
 
 
 @dataclass
@@ -82,7 +82,7 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
     """SGD on ``dataset`` as an instruction's ``config`` says (``lr``, ``local_epochs``,
     ``batch_size``, ``min_batch``, ``last_batch``, ``momentum``, ``weight_decay``, optional
     ``grad_clip``, ``seed``), on the device, in the precision and the way (compiled or not, in a
-    memory format: :mod:`.step`) of the current :func:`~nefl_zoo.fl.device.placement`.
+    memory format: :mod:`.step`) of the current :func:`~nefl_zoo.fl.training.device.placement`.
 
     All randomness (shuffling, augmentation, sampled widths) comes from ``seed``; the caller's
     global RNG state is left untouched, so results do not depend on what ran before. ``local``
