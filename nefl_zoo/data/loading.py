@@ -94,7 +94,7 @@ class TensorImages(Dataset):
 
     def resident(self, device: torch.device, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The images (zero-padded by ``pad`` on each side) and labels on ``device``, copied there
-        once and kept (:mod:`.batches` crops and batches them there)."""
+        once and kept (:mod:`nefl_zoo.fl.training.batches` crops and batches them there)."""
         key = (str(device), pad)
         if key not in self._resident:
             images = torch.nn.functional.pad(self.images, (pad,) * 4) if pad else self.images
@@ -260,7 +260,7 @@ def public_split(targets: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
 def load_data(cfg: DataConfig, root: Path, input_size: tuple[int, int, int], num_clients: int, seed: int,
               devices: Devices | None = None) -> FederatedData:
     """Load ``cfg.dataset`` for a model with ``input_size`` (C, H, W) and partition it
-    (``partition: devices`` by the device classes of ``devices``, :mod:`.device_data`)."""
+    (``partition: devices`` by the device classes of ``devices``, :mod:`.device_partition`)."""
     channels = input_size[0]
     if cfg.dataset == "digits":
         train, train_eval, test, targets, num_classes = _digits(input_size, cfg.test_fraction, cfg.augment)

@@ -16,7 +16,7 @@ antialiasing, as torchvision's ``Resize``), repeated to three channels for a col
 normalised with the training set's statistics; so they train through the engine's on-device
 batching, like digits. EMNIST's stored images are transposed; they are turned upright, and the
 ``letters`` split's labels 1..26 become 0..25. Augmentation: a random crop with padding 2 (no
-flip: digits and letters are not mirror-symmetric), padding with the normalised zero (:mod:`.data`
+flip: digits and letters are not mirror-symmetric), padding with the normalised zero (:mod:`.loading`
 wraps the tensors).
 """
 

@@ -2,8 +2,8 @@
 
 A config names the method and its own settings (``method_args``, validated by the method's
 settings model from the registry), the submodel spec (a file path or an inline mapping), the
-data and its partition, the client environment, local training and evaluation (the shared
-sections of :mod:`.settings`). Every problem is raised as a one-line :class:`ConfigError`
+data and its partition (:mod:`nefl_zoo.data.config`), the client environment
+(:class:`ClientsConfig`), local training and evaluation (:mod:`.strategy.sections`). Every problem is raised as a one-line :class:`ConfigError`
 ``FILE: FIELD: message``.
 """
 

@@ -33,7 +33,7 @@ __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_group
 
 
 def client_groups(config: RunConfig, levels: list[str]) -> list[list[str]]:
-    """Allowed resource levels per client group (see :class:`~nefl_zoo.fl.settings.ClientsConfig`)."""
+    """Allowed resource levels per client group (see :class:`~nefl_zoo.fl.config.ClientsConfig`)."""
     if config.clients.groups is not None:
         return [list(g) for g in config.clients.groups]
     if config.clients.environment == "fixed":
@@ -119,12 +119,12 @@ class Engine:
                 f"{config.data.dataset} has {self.data.num_classes} classes but the model outputs "
                 f"{info.num_classes} (set spec model_args.num_classes)"
             )
-        #: simulated time of the clients' devices (``devices:``, :mod:`.clock`); none: rounds without time
+        #: simulated time of the clients' devices (``devices:``, :mod:`.devices.clock`); none: rounds without time
         self.clock: VirtualClock | None = None
         if config.devices is not None:
             samples = [config.train.local_epochs * len(p) for p in self.data.partitions]
             self.clock = VirtualClock(config.devices, TierCosts.of(self.strategy, config.train.batch_size), samples, config.seed)
-        #: what each device class gets (``eval.device_classes``, :mod:`.device_classes`)
+        #: what each device class gets (``eval.device_classes``, :mod:`.devices.classes`)
         self.device_classes: DeviceClasses | None = None
         if config.eval.device_classes:
             try:
@@ -220,7 +220,7 @@ class Engine:
 
         Returns:
             ``device_accuracy``, ``worst_device_class`` and ``device_class_spread`` of the global
-            state (:meth:`~.device_classes.DeviceClasses.evaluate`); empty without
+            state (:meth:`~.devices.classes.DeviceClasses.evaluate`); empty without
             ``eval.device_classes``.
         """
         if self.device_classes is None:
@@ -232,7 +232,7 @@ class Engine:
     def available_clients(self) -> list[ClientInfo]:
         """The clients that can be reached now (in process: every configured client; with
         ``devices:``, those online at the simulated time, with the levels that fit them this
-        round, :meth:`~.clock.VirtualClock.available`).
+        round, :meth:`~.devices.clock.VirtualClock.available`).
 
         Returns:
             The clients, with the levels each may train.

@@ -1,13 +1,13 @@
 """Secure aggregation of nested updates: the ``secure_aggregation:`` settings and the one flat
 vector each client contributes, so that the server learns only the round's sums.
 
-A client's vector is its own :class:`~.aggregate.Sums` (what :func:`~.aggregate.accumulate`
+A client's vector is its own :class:`~.nefedavg.Sums` (what :func:`~.nefedavg.accumulate`
 makes of its update alone) in the global shapes, flattened in a fixed key order
 (:class:`Layout`): per element the weighted change ``w (u - g)`` it made (changes, not values,
 so a small clipping range holds them), then its weight ``w`` (zero where its submodel does not
 reach). Flower's SecAgg+ (:mod:`nefl_zoo.fl.flower.secure`) adds the vectors up without
 revealing any; :meth:`Layout.sums` rebuilds the round's sums (``total = sum w (u - g) + W g``)
-and :func:`~.aggregate.weighted_mean` finishes them: NeFedAvg, FedAvg per tier, exactly the
+and :func:`~.nefedavg.weighted_mean` finishes them: NeFedAvg, FedAvg per tier, exactly the
 method's own aggregation up to SecAgg+'s quantisation (:func:`sum_error`).
 
 Weights are scaled into ``(0, 1]`` (``scale``: 1 per client, or ``1 / largest partition`` with
@@ -103,7 +103,7 @@ class Layout:
         """A client's ``[weighted changes, weights]`` (float64, the layout's order) for the
         tensors it was ``sent`` and ``returned`` at ``level`` with (scaled) ``weight``, and how
         many elements exceed ``clip`` (SecAgg+'s ``clipping_range``); ``ValueError`` for an
-        update the method would reject (:func:`~.aggregate.check_update`)."""
+        update the method would reject (:func:`~.nefedavg.check_update`)."""
         entries = self.strategy.entries(level)
         reason = check_update(Update(entries, returned, weight))
         if reason is not None:
@@ -116,7 +116,7 @@ class Layout:
         return [total, weights], int((np.abs(total) > clip).sum() + (weights > clip).sum())
 
     def sums(self, global_state: Mapping[str, torch.Tensor], total: np.ndarray, weights: np.ndarray, error: float) -> Sums:
-        """The round's :class:`~.aggregate.Sums` from the summed vector: summed weights within
+        """The round's :class:`~.nefedavg.Sums` from the summed vector: summed weights within
         ``error`` of zero are zero (no client held the element; a held one has at least the
         smallest scaled weight, far above it), totals are changes plus ``W g``."""
         weights = np.where(weights > error, weights, 0.0)

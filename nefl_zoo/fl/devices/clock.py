@@ -3,8 +3,8 @@
 A client's round time is its local compute, ``local_epochs x its samples x the tier's training
 MACs per image / its speed this round``, plus its transfer, ``the tier's bytes / downlink +
 the tier's bytes / uplink``. A tier's training MACs per image are 3x the forward MACs the method
-counts (:meth:`~.strategy_utils.Nested.client_macs`; backward adds about twice the forward), its
-bytes 4 per element it sends (:attr:`~.strategy.MethodInfo.numel`), its memory the weights,
+counts (:meth:`~nefl_zoo.fl.methods.common.Nested.client_macs`; backward adds about twice the forward), its
+bytes 4 per element it sends (:attr:`~nefl_zoo.fl.strategy.MethodInfo.numel`), its memory the weights,
 gradients and optimizer state (3 x its bytes) plus ``train.batch_size`` x the activations one
 image keeps for the backward pass (every leaf module's output).
 

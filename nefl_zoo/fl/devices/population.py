@@ -18,7 +18,7 @@ One row per online interval, in seconds of simulated time (``start_s < end_s``);
 online in ``[start_s, end_s)`` of each of its rows and offline after its last one.
 
 A class may say what data its clients hold (``data``, used with ``data.partition: devices``,
-:mod:`.device_data`): ``samples`` images per client (quantity skew between classes), the class's
+:mod:`nefl_zoo.data.device_partition`): ``samples`` images per client (quantity skew between classes), the class's
 label mix ``labels`` (a weight per label of the dataset; none: the training set's own mix) and
 ``alpha``, each client's label proportions drawn from Dirichlet(alpha x the class mix) (none: every
 client holds the class mix)::

@@ -2,7 +2,7 @@
 
 The time each entry needs to reach a target accuracy on the simulated clock (:mod:`.time_to_accuracy`),
 on the worst-case submodel (the NeFL paper's "Worst"), on the full model and, where the runs score
-their device classes (``eval.device_classes``, :mod:`.device_classes`), on the worst device class.
+their device classes (``eval.device_classes``, :mod:`.classes`), on the worst device class.
 Then what each device class gets at the end (the last evaluation, mean ± std over seeds): its
 accuracy on the tier its clients run and on the full model, the worst class and the spread; its
 updates summed over the rounds (seed means); the tiers its clients run. Written to

@@ -4,9 +4,10 @@ training, reply weights, resource levels, width-only and single-tier specs, eval
 every BN treatment of ``eval.bn``, per-level means of client evaluations, and :class:`Nested`,
 a nested method assembled from parts (NeFL is :class:`Nested` with every default).
 
-Methods import from here and from the other shared modules (:mod:`.strategy`,
-:mod:`.registry`, :mod:`.client`, :mod:`.local`, :mod:`.aggregate`, :mod:`.bn`), never from
-another method's file.
+Methods import from here and from the packages below them (the interface and registry,
+:mod:`nefl_zoo.fl.strategy`; local training, :mod:`nefl_zoo.fl.training`; aggregation,
+:mod:`nefl_zoo.fl.aggregation`), never from another method's file. Also here:
+:func:`weight_scale`, the method's client weights scaled for secure aggregation.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def client_seed(run: Run, server_round: int, cid: int) -> int:
 
 def train_config(run: Run, server_round: int, cid: int) -> dict[str, ConfigValue]:
     """The instruction config of local training (what :func:`~nefl_zoo.fl.training.client.fit` reads):
-    round, client, seed, lr and the :class:`~nefl_zoo.fl.settings.TrainConfig` fields a client needs."""
+    round, client, seed, lr and the :class:`~nefl_zoo.fl.strategy.sections.TrainConfig` fields a client needs."""
     cfg = run.train
     out: dict[str, ConfigValue] = {
         "round": server_round, "client": cid, "seed": client_seed(run, server_round, cid),
@@ -128,7 +129,7 @@ def width_spec(spec: SubmodelSpec, inconsistent: list[str]) -> SubmodelSpec:
 
 # -- evaluation --------------------------------------------------------------------------------
 def bn_treatments(run: Run) -> tuple[str, ...]:
-    """The BN treatments evaluated (:mod:`.bn`): ``eval.bn`` first, then the other with ``eval.bn_both``."""
+    """The BN treatments evaluated (:mod:`nefl_zoo.fl.training.bn`): ``eval.bn`` first, then the other with ``eval.bn_both``."""
     first = run.eval.bn
     return (first, *(t for t in BN_TREATMENTS if t != first and run.eval.bn_both))
 

@@ -9,7 +9,7 @@ under Flower the same engine with Flower as its transport). Its constructor take
 (:class:`Run`) and its own settings and sets :attr:`Strategy.info` (what the engine needs to
 know); it calls no overridable method. Shared pieces (sampling, nested submodels, evaluation
 under each BN treatment, ...) are plain functions and one composable strategy in
-:mod:`.strategy_utils`; the registry is :mod:`.registry`.
+:mod:`nefl_zoo.fl.methods.common`; the registry is :mod:`.registry`.
 
 Messages are plain data: :class:`Instruction` and :class:`Reply` hold tensors keyed by name, a
 flat dict of scalars (Flower's ``ArrayRecord`` plus ``ConfigRecord``/``MetricRecord``) and
@@ -97,7 +97,7 @@ class ClientInfo:
 class Aggregate:
     """The result of :meth:`Strategy.aggregate_train`: the new global state, how many replies
     were used, which were rejected (client, reason) and the round's aggregation metrics (e.g.
-    ``epsilon``, ``clipped``: :func:`~.aggregation.aggregate_updates`), merged into its record."""
+    ``epsilon``, ``clipped``: :func:`~nefl_zoo.fl.aggregation.aggregate_updates`), merged into its record."""
 
     state: State
     accepted: int

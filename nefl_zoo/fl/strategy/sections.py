@@ -79,7 +79,7 @@ class TrainConfig(Strict):
 class EvalConfig(Strict):
     """When and how the server evaluates.
 
-    ``bn`` decides the BatchNorm statistics of the reported accuracies (:mod:`.bn`):
+    ``bn`` decides the BatchNorm statistics of the reported accuracies (:mod:`nefl_zoo.fl.training.bn`):
     ``running`` (as averaged from the clients) or ``recompute`` (reset and recomputed per
     submodel on ``bn_batches`` training batches without augmentation, the same batches for every
     method); ``bn_both`` also evaluates the other treatment, logged as ``TREATMENT/SUBMODEL``.

@@ -63,7 +63,7 @@ def learning_rate(cfg: TrainConfig, round_index: int, rounds: int) -> float:
 
     Examples:
         >>> from nefl_zoo.fl import learning_rate
-        >>> from nefl_zoo.fl.settings import TrainConfig
+        >>> from nefl_zoo.fl.strategy import TrainConfig
         >>> step = TrainConfig(lr=0.1, schedule="step")
         >>> [round(learning_rate(step, r, 8), 4) for r in range(8)]
         [0.1, 0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001]
@@ -142,7 +142,7 @@ def fit(local: LocalModel, dataset: Dataset, config: Mapping) -> ClientResult:
 def training_batches(dataset: Dataset, config: Mapping, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The batches of local training as an instruction's ``config`` says: ``local_epochs`` of
     ``batch_size``, each epoch's last batch below ``min_batch`` dropped, or merged into the one
-    before when ``last_batch`` is ``merge`` (:class:`~nefl_zoo.fl.settings.TrainConfig`; an
+    before when ``last_batch`` is ``merge`` (:class:`~nefl_zoo.fl.strategy.sections.TrainConfig`; an
     instruction without them, from an older server, gets its defaults)."""
     defaults = TrainConfig.model_fields
     min_batch = int(config.get("min_batch", defaults["min_batch"].default))
