@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from .datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
 from .config import DataConfig
+from .datasets import MNIST_FAMILY, NORMALIZATION, DatasetNotFoundError
 
 if TYPE_CHECKING:
     from .device_partition import DeviceClass

@@ -11,11 +11,11 @@ Flower is :mod:`.flower`; the data is :mod:`nefl_zoo.data`, the run directory
 """
 
 from .aggregation.nefedavg import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
-from .training.client import ClientResult, evaluate, fit, learning_rate
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .engine import Engine, RunResult, train
-from .strategy.registry import get_method, register_method, registered_methods
 from .strategy.base import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, Strategy
+from .strategy.registry import get_method, register_method, registered_methods
+from .training.client import ClientResult, evaluate, fit, learning_rate
 
 __all__ = [
     "ClientInfo", "ClientResult", "ConfigError", "Engine", "Instruction", "MethodInfo", "MethodSettings", "Reply", "Run", "RunConfig",

@@ -17,10 +17,10 @@ from typing import Callable
 
 import numpy as np
 
-from .training.bn import BN_TREATMENTS
 from .config import RunConfig, apply_overrides, parse_config
 from .engine import Engine, RunObserver, RunResult
 from .strategy.registry import get_method
+from .training.bn import BN_TREATMENTS
 
 
 @dataclass(frozen=True)

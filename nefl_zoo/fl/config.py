@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..data.config import DataConfig
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec, shipped_specs_dir
 from ..userfiles import Strict, field_error, format_validation_error, parse_yaml, read_yaml
 from .aggregation.rules import AggregationConfig
-from .devices.population import DevicesConfig, read_trace
-from ..data.config import DataConfig
-from .strategy.sections import EvalConfig, TrainConfig
 from .aggregation.secagg import SecureAggregation
-from .strategy.registry import get_method, parse_settings, registered_methods
+from .devices.population import DevicesConfig, read_trace
 from .strategy.base import Run, Strategy
+from .strategy.registry import get_method, parse_settings, registered_methods
+from .strategy.sections import EvalConfig, TrainConfig
 
 if TYPE_CHECKING:
     from .training.device import Placement

@@ -18,16 +18,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .training.parallel import train_clients
-from .training.client import learning_rate
-from .devices.clock import TierCosts, VirtualClock
-from .config import ConfigError, RunConfig, parse_config
-from ..data.loading import FederatedData, load_data
-from .devices.classes import DeviceClasses
 from ..data.device_partition import PartitionError
-from .training.device import Placement, placed
+from ..data.loading import FederatedData, load_data
 from ..runs.store import Checkpoint, RunExistsError, RunStore, saved_config
+from .config import ConfigError, RunConfig, parse_config
+from .devices.classes import DeviceClasses
+from .devices.clock import TierCosts, VirtualClock
 from .strategy.base import Aggregate, ClientInfo, Instruction, Reply, Strategy
+from .training.client import learning_rate
+from .training.device import Placement, placed
+from .training.parallel import train_clients
 
 __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_groups", "resume_config", "train"]
 

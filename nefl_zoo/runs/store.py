@@ -56,9 +56,25 @@ import yaml
 from safetensors.torch import save as save_tensors
 
 from ..files import DirLock, atomic_write, crash_point, fsync_path, naming_write_errors, write_durably
-from .checkpoint import (CHECKPOINT_JSON, CLIENT_SEP, CLIENT_STATES, FORMAT, GENERATION, GLOBAL_STATE, RUN_JSON,
-                         SERVER_STATE, Checkpoint, CheckpointError, Pointer, read_checkpoint, read_pointer, rng_states,
-                         saved_config, set_rng_states, sha256)
+from .checkpoint import (
+    CHECKPOINT_JSON,
+    CLIENT_SEP,
+    CLIENT_STATES,
+    FORMAT,
+    GENERATION,
+    GLOBAL_STATE,
+    RUN_JSON,
+    SERVER_STATE,
+    Checkpoint,
+    CheckpointError,
+    Pointer,
+    read_checkpoint,
+    read_pointer,
+    rng_states,
+    saved_config,
+    set_rng_states,
+    sha256,
+)
 
 METRICS_JSONL, METRICS_CSV, SUMMARY_JSON = "metrics.jsonl", "metrics.csv", "summary.json"
 CONFIG_YAML, SPEC_YAML, LOCK_FILE = "config.yaml", "spec.yaml", "run.lock"

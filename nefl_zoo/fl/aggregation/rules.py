@@ -26,11 +26,10 @@ import torch
 from pydantic import Field, model_validator
 
 from ...slim import SliceEntry
-from ...userfiles import field_error
+from ...userfiles import Strict, field_error
 from .nefedavg import Update, check_update, nefedavg
 from .privacy import epsilon, noise_generator, private_mean
 from .robust import clip_update, coordinate_rule
-from ...userfiles import Strict
 
 log = logging.getLogger(__name__)
 

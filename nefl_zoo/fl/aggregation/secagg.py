@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from ...userfiles import Strict, field_error
 from ...slim import SliceEntry
+from ...userfiles import Strict, field_error
 from .nefedavg import Sums, Update, accumulate, check_update
 
 INT_UNIT = 1024  # counts per unit of an integer tensor's change in a client's vector

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-from ..training.client import correct
-from .clock import RoundTiming, VirtualClock
 from ...data.loading import FederatedData
 from ..strategy.base import ClientInfo, Instruction, Strategy
+from ..training.client import correct
+from .clock import RoundTiming, VirtualClock
 
 
 def deployed_tiers(clock: VirtualClock, evaluated: Sequence[str], clients: Sequence[ClientInfo]) -> list[str]:

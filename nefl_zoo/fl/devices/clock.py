@@ -25,8 +25,8 @@ import numpy as np
 from torch import nn
 
 from ...slim import compile_spec
-from .population import DevicesConfig, Population
 from ..strategy.base import ClientInfo, Strategy
+from .population import DevicesConfig, Population
 
 BYTES_PER_ELEMENT = 4  # float32
 TRAIN_MACS_FACTOR = 3  # forward + backward (about twice the forward)

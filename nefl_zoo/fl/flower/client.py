@@ -32,10 +32,10 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from ..config import parse_config
 from ...data.loading import FederatedData, load_data
-from ..training.device import Placement, placed
+from ..config import parse_config
 from ..strategy.base import Strategy
+from ..training.device import Placement, placed
 from .nodes import NODE, NODE_KEYS, SETUP
 from .records import read_instruction, reply_content
 from .secure import SECURE, secure_content, secure_mod

@@ -35,11 +35,11 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 
 from ..aggregation.nefedavg import weighted_mean
-from ..config import ConfigError, RunConfig
-from ..strategy.registry import get_method, registered_methods
 from ..aggregation.secagg import Layout, SecureAggregation, sum_error
-from ..strategy.base import Aggregate, Instruction, Reply, Strategy
+from ..config import ConfigError, RunConfig
 from ..methods.common import Nested, reply_weight
+from ..strategy.base import Aggregate, Instruction, Reply, Strategy
+from ..strategy.registry import get_method, registered_methods
 from .nodes import collect
 from .records import error_reply, read_reply, reply_content
 

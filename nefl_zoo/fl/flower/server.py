@@ -19,8 +19,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from ...bounds import MAX_THREADS, MAX_TIMEOUT_S, number
 from ..config import RunConfig, apply_overrides, load_config, parse_config
-from ..training.device import gpu_share
 from ..engine import RunObserver, RunResult, resume_config
+from ..training.device import gpu_share
 from .client import app as client_app
 from .flower_engine import FlowerEngine, check_flower_config
 

@@ -25,10 +25,21 @@ from ...spec import SubmodelSpec, TierSpec
 from ..aggregation.nefedavg import Update
 from ..aggregation.rules import aggregate_updates
 from ..aggregation.secagg import SecureAggregation, sum_error
+from ..strategy.base import (
+    Aggregate,
+    ClientInfo,
+    ConfigValue,
+    Instruction,
+    MethodInfo,
+    MethodSettings,
+    Reply,
+    Run,
+    State,
+    Strategy,
+)
+from ..strategy.local_model import LocalModel, SubmodelLocal, load_entries
 from ..training.bn import BN_TREATMENTS, recompute_batches, recompute_bn
 from ..training.client import evaluate, fit, learning_rate
-from ..strategy.local_model import LocalModel, SubmodelLocal, load_entries
-from ..strategy.base import Aggregate, ClientInfo, ConfigValue, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from torch import nn
 
 from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
 from ...spec import SubmodelSpec, TierSpec, stage_depths
-from .feddyn import FedDynLocal, client_update, server_update
+from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
 from ..strategy.local_model import LocalModel, load_entries
 from ..strategy.registry import register_method
-from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
 from .common import Nested, fit_reply, level_sizes, module_macs, require_parts
+from .feddyn import FedDynLocal, client_update, server_update
 
 EXIT_PREFIX = "exits"
 ENSEMBLE = "ensemble"

@@ -7,8 +7,8 @@ constants, and they are neither in the global state nor sent.
 from __future__ import annotations
 
 from ...slim import compile_spec
-from ..strategy.registry import register_method
 from ..strategy.base import MethodSettings, Run
+from ..strategy.registry import register_method
 from .common import Nested, level_sizes, single_model
 
 

@@ -8,8 +8,8 @@ import torch
 from pydantic import Field
 
 from ...slim import split_tier_key
-from ..strategy.registry import register_method
 from ..strategy.base import Aggregate, MethodSettings, Reply, Run, State
+from ..strategy.registry import register_method
 from .common import Nested, single_model
 
 

@@ -25,12 +25,12 @@ from pydantic import Field
 from torch import nn
 
 from ...slim import CompiledSpec, compile_spec
+from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ..strategy.local_model import LocalModel
+from ..strategy.registry import register_method
 from ..training.batches import ordered_batches
 from ..training.client import evaluate, learning_rate
 from ..training.device import placement
-from ..strategy.local_model import LocalModel
-from ..strategy.registry import register_method
-from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
 from .common import fit_reply, largest, level_sizes, mean_accuracy_per_level, require_parts, sample_clients, train_config
 
 HEADER = ("header.weight", "header.bias")

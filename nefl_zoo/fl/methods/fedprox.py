@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from ..strategy.base import MethodSettings, Run
 from ..strategy.local_model import LocalModel, SubmodelLocal
 from ..strategy.registry import register_method
-from ..strategy.base import MethodSettings, Run
 from .common import Nested
 
 

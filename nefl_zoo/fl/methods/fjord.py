@@ -13,14 +13,13 @@ from typing import Literal, Mapping
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
-from pydantic import Field, model_validator
-
 from ...slim import CompiledSpec, SliceEntry, compile_spec, tier_key
+from ..strategy.base import MethodSettings, Run
 from ..strategy.local_model import LocalModel, load_entries
 from ..strategy.registry import register_method
-from ..strategy.base import MethodSettings, Run
 from .common import Nested, largest, module_macs, width_spec
 
 

@@ -7,9 +7,9 @@ import math
 from torch import nn
 
 from ...slim import compile_spec
+from ..strategy.base import MethodSettings, Run
 from ..strategy.local_model import SubmodelLocal
 from ..strategy.registry import register_method
-from ..strategy.base import MethodSettings, Run
 from .common import Nested, width_spec
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")

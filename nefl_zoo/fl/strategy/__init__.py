@@ -4,8 +4,7 @@ and the run it sees (:mod:`.base`), the ``train:`` and ``eval:`` sections of tha
 of methods by name (:mod:`.registry`). The built-in methods and the pieces they share are
 :mod:`nefl_zoo.fl.methods`."""
 
-from .base import (Aggregate, ClientInfo, ConfigValue, Instruction, MethodInfo, MethodSettings, Reply, Run, Scalar, State,
-                   Strategy)
+from .base import Aggregate, ClientInfo, ConfigValue, Instruction, MethodInfo, MethodSettings, Reply, Run, Scalar, State, Strategy
 from .local_model import LocalModel, SubmodelLocal
 from .registry import get_method, register_method, registered_methods
 from .sections import EvalConfig, TrainConfig

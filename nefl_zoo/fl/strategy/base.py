@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from ...data.config import DataConfig
 from ...spec import SubmodelSpec
 from ..aggregation.rules import AggregationConfig
-from ...data.config import DataConfig
 from .sections import EvalConfig, TrainConfig
 
 if TYPE_CHECKING:

@@ -10,12 +10,12 @@ from typing import Iterator, Mapping
 import torch
 from torch.utils.data import Dataset
 
-from .batches import ordered_batches, shuffled_batches
-from .device import placement, to_cpu
+from ..strategy.base import Reply
 from ..strategy.local_model import LocalModel
 from ..strategy.sections import TrainConfig
+from .batches import ordered_batches, shuffled_batches
+from .device import placement, to_cpu
 from .step import MEMORY_FORMATS, LocalForward
-from ..strategy.base import Reply
 
 
 @dataclass

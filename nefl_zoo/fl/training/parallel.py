@@ -28,10 +28,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import Dataset
 
+from ..strategy.base import Instruction, Reply, Strategy
+from ..strategy.local_model import LocalModel, impure_reason
 from .client import ClientResult, fit, training_batches
 from .device import placement, to_cpu
-from ..strategy.local_model import LocalModel, impure_reason
-from ..strategy.base import Instruction, Reply, Strategy
 
 log = logging.getLogger(__name__)
 _said: set[tuple[str, str]] = set()

@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from .device import Placement
 from ..strategy.local_model import LocalModel, impure_reason
+from .device import Placement
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()

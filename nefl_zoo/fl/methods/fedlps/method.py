@@ -17,9 +17,9 @@ from ....models import create_model
 from ....models.base import NestedNet
 from ....slim import SliceMap, compile_spec
 from ...aggregation.nefedavg import Update, check_update
-from ...training.bn import recompute_batches
-from ...strategy.registry import register_method
 from ...strategy.base import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ...strategy.registry import register_method
+from ...training.bn import recompute_batches
 from ..common import evaluate_treatments, fit_reply, largest, level_sizes, require_parts, sample_clients, train_config
 from .networks import Encoder, MultiTask, Predictor, evaluate_tasks, load_backbone, norm_modules, with_task_bn
 from .pretrain import NO_PUBLIC, fingerprint, pretrain_for_run

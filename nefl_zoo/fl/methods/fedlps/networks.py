@@ -13,10 +13,10 @@ from torch import nn
 from ....models import create_model, load_pretrained
 from ....models.base import NestedNet
 from ....spec import SubmodelSpec
+from ...strategy.local_model import LocalModel
 from ...training.batches import ordered_batches
 from ...training.bn import recompute_bn
 from ...training.device import placement
-from ...strategy.local_model import LocalModel
 from .tasks import TaskSet
 
 
