@@ -226,7 +226,7 @@ def ours_worker(case: dict) -> None:
     import torch
 
     torch.set_num_threads(case["threads"])
-    from nefl_zoo.fl.methods import common as strategy_utils
+    from nefl_zoo.fl.methods import common
     from nefl_zoo.fl.config import parse_config
     from nefl_zoo.data.loading import FederatedData, TensorImages
     from nefl_zoo.fl.engine import Engine
@@ -241,7 +241,7 @@ def ours_worker(case: dict) -> None:
     data = TensorImages(images, labels.numpy())
     engine.data = FederatedData(data, data, data, labels.numpy(), 10, parts)
     clients: list[list] = []
-    fit_reply = strategy_utils.fit_reply
+    fit_reply = common.fit_reply
 
     def timed(local, data, instruction):
         started = time.perf_counter()
@@ -249,7 +249,7 @@ def ours_worker(case: dict) -> None:
         clients.append([instruction.level, time.perf_counter() - started])
         return out
 
-    strategy_utils.fit_reply = timed
+    common.fit_reply = timed
     torch.manual_seed(0)
     engine.state = engine.strategy.init_global_state()
     _emit({"ready": True, "data": digest, "structure": _our_structure(engine.strategy)})
