@@ -391,8 +391,8 @@ def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResu
 
         treatment = treatments(runs)[0]
         points = {e.key: [worst_points(out / e.key / f"seed{s}", r, treatment) for s, r in zip(seeds, runs[e.key])] for e in entries}
-        setting = f"{config.submodel_spec().model} on {config.data.dataset}"
-        markdown += devices_report(setting, {e.key: e.label for e in entries}, seeds, points, treatment, out, plot, target)
+        markdown += devices_report(f"{config.submodel_spec().model} on {config.data.dataset}", {e.key: e.label for e in entries},
+                                   seeds, points, treatment, out, plot, target)
     results_md, figure = out / "results.md", out / "comparison.png"
     results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n" + (f"![accuracy vs MACs and vs round]({figure.name})\n" if plot else ""))
     (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))
