@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .config import RunConfig, apply_overrides, parse_config
+from .devices.report import devices_report
 from .engine import Engine, RunObserver, RunResult
 from .strategy.registry import get_method
 from .training.bn import BN_TREATMENTS
@@ -387,8 +388,6 @@ def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResu
     macs = {e.key: client_round_macs(config, e, seeds, out) for e in entries}
     markdown = results_table(config, entries, runs, macs)
     if config.devices is not None:  # time to accuracy on the simulated clock; what each device class gets
-        from .devices.report import devices_report
-
         treatment = treatments(runs)[0]
         points = {e.key: [worst_points(out / e.key / f"seed{s}", r, treatment) for s, r in zip(seeds, runs[e.key])] for e in entries}
         markdown += devices_report(f"{config.submodel_spec().model} on {config.data.dataset}", {e.key: e.label for e in entries},
