@@ -61,7 +61,7 @@ docs-serve: $(STAMP)
 
 # Mutation testing (TESTING.md): each module of [tool.nefl-zoo.mutation] in
 # pyproject.toml against its own test files, one worker; slow, not part of `make test`.
-# `make mutation MODULES=nefl_zoo.fl.aggregate` runs one module; SAMPLE=120 scores 120 of its mutants (seed 0);
+# `make mutation MODULES=nefl_zoo.fl.aggregation.nefedavg` runs one module; SAMPLE=120 scores 120 of its mutants (seed 0);
 # CHILDREN=2 runs two mutants at once (one per core).
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python tools/mutation.py $(if $(SAMPLE),--sample $(SAMPLE)) $(if $(CHILDREN),--children $(CHILDREN)) $(MODULES)

@@ -39,12 +39,12 @@ PAPER = {"rounds": 500, "clients_per_round": 10, "epochs": 5, "samples": 500, "b
 
 def batches(device: str, repeats: int) -> dict[str, float]:
     """Median ms of one epoch of batches of the digits training set (crop augmentation, batch 32,
-    16x16) through the DataLoader and from device-resident tensors (:mod:`nefl_zoo.fl.batches`)."""
+    16x16) through the DataLoader and from device-resident tensors (:mod:`nefl_zoo.fl.training.batches`)."""
     from torch.utils.data import DataLoader
 
-    from nefl_zoo.fl.batches import shuffled_batches
-    from nefl_zoo.fl.data import load_data
-    from nefl_zoo.fl.settings import DataConfig
+    from nefl_zoo.fl.training.batches import shuffled_batches
+    from nefl_zoo.data.loading import load_data
+    from nefl_zoo.data.config import DataConfig
     from nefl_zoo.timing import interleaved_median_ms
 
     data = load_data(DataConfig(), ROOT, (1, 16, 16), 1, 0)
@@ -66,9 +66,9 @@ def local_training(device: str, repeats: int, out: Path) -> dict[str, float]:
     the same batches) and from device-resident tensors."""
     from torch.utils.data import ConcatDataset
 
-    from nefl_zoo.fl.client import fit
+    from nefl_zoo.fl.training.client import fit
     from nefl_zoo.fl.config import load_config
-    from nefl_zoo.fl.device import placed
+    from nefl_zoo.fl.training.device import placed
     from nefl_zoo.fl.engine import Engine
     from nefl_zoo.timing import interleaved_median_ms
 
@@ -114,11 +114,11 @@ def projection(device: str, parallel: int, steps: int) -> dict[str, float]:
     """Projected hours of the paper's run, sequential and batched, from timed local steps."""
     from torch.utils.data import Subset
 
-    from nefl_zoo.fl.batched import fit_together
-    from nefl_zoo.fl.client import fit
+    from nefl_zoo.fl.training.parallel import fit_together
+    from nefl_zoo.fl.training.client import fit
     from nefl_zoo.fl.config import parse_config
-    from nefl_zoo.fl.data import TensorImages
-    from nefl_zoo.fl.device import Placement, placed
+    from nefl_zoo.data.loading import TensorImages
+    from nefl_zoo.fl.training.device import Placement, placed
     from nefl_zoo.timing import interleaved_median_ms
 
     config = parse_config({"spec": str(ROOT / "specs/resnet18/nefl-wd.yaml"), "method": "nefl", "clients": {"fraction": 1.0},
@@ -131,7 +131,7 @@ def projection(device: str, parallel: int, steps: int) -> dict[str, float]:
     datasets = [Subset(images, range(i * steps * PAPER["batch"], (i + 1) * steps * PAPER["batch"])) for i in range(2)]
     instructions = {}
     for tier in strategy.info.levels:
-        from nefl_zoo.fl.strategy import ClientInfo
+        from nefl_zoo.fl.strategy.base import ClientInfo
 
         picked = strategy.configure_train(1, state, [ClientInfo(c, (tier,)) for c in range(2)])
         instructions[tier] = list(picked.values())
@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_accel"), help="scratch run directories")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from nefl_zoo.fl.device import resolve_device
+    from nefl_zoo.fl.training.device import resolve_device
 
     device = resolve_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()

@@ -33,7 +33,7 @@ import numpy as np
 from nefl_zoo.fl.compare import (Entry, client_round_macs, compare_methods, curves, flatness, load_runs, nefl_table1, report,
                                  results_table, treatments)
 from nefl_zoo.fl.config import load_config
-from nefl_zoo.fl.data import load_data
+from nefl_zoo.data.loading import load_data
 
 import publish  # results JSON and figure (benchmarks/publish.py)
 

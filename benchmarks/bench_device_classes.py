@@ -41,7 +41,7 @@ import publish
 
 from nefl_zoo.fl.compare import Entry, accuracies, compare_methods, time_entries, worst_case
 from nefl_zoo.fl.config import load_config
-from nefl_zoo.fl.device_report import read_records
+from nefl_zoo.fl.devices.report import read_records
 from nefl_zoo.fl.engine import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -94,7 +94,7 @@ class TwoNNGlorot(TwoNNRawPixels):
             nn.init.zeros_(layer.bias)
 
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # nefl_zoo.datasets.NORMALIZATION["mnist"]
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # nefl_zoo.data.datasets.NORMALIZATION["mnist"]
 MODELS = {"2nn": TwoNN, "cnn": CNN, "2nn_raw": TwoNNRawPixels, "2nn_glorot": TwoNNGlorot}
 TARGET = {"2nn": 0.97, "cnn": 0.99, "2nn_raw": 0.97, "2nn_glorot": 0.97}
 

@@ -92,7 +92,7 @@ def _resnet18():
 def aggregation_time(repeats: int) -> dict:
     import torch.nn.functional as F
 
-    from nefl_zoo.fl.aggregate import Update, nefedavg
+    from nefl_zoo.fl.aggregation.nefedavg import Update, nefedavg
 
     compiled = _resnet18()
     torch.manual_seed(0)
@@ -132,9 +132,9 @@ def _rss_kb(field: str) -> int:
 
 def memory_one_tier(tier: str) -> dict:
     """(Runs in a subprocess.) Peak extra RSS of one client's local training on ``tier``."""
-    from nefl_zoo.fl.client import fit
-    from nefl_zoo.fl.data import TensorImages
-    from nefl_zoo.fl.local import SubmodelLocal
+    from nefl_zoo.fl.training.client import fit
+    from nefl_zoo.data.loading import TensorImages
+    from nefl_zoo.fl.strategy.local_model import SubmodelLocal
 
     compiled = _resnet18()
     net = compiled[tier].build()

@@ -86,8 +86,8 @@ def bench_data(model: str, mnist: str | None):
     import numpy as np
     import torch
 
-    from nefl_zoo.fl.data import load_data
-    from nefl_zoo.fl.settings import DataConfig
+    from nefl_zoo.data.loading import load_data
+    from nefl_zoo.data.config import DataConfig
 
     case = CASES[model]
     root = Path(mnist or ".")
@@ -226,9 +226,9 @@ def ours_worker(case: dict) -> None:
     import torch
 
     torch.set_num_threads(case["threads"])
-    from nefl_zoo.fl import strategy_utils
+    from nefl_zoo.fl.methods import common
     from nefl_zoo.fl.config import parse_config
-    from nefl_zoo.fl.data import FederatedData, TensorImages
+    from nefl_zoo.data.loading import FederatedData, TensorImages
     from nefl_zoo.fl.engine import Engine
 
     images, labels, parts, digest = bench_data(case["model"], case["mnist"])
@@ -241,7 +241,7 @@ def ours_worker(case: dict) -> None:
     data = TensorImages(images, labels.numpy())
     engine.data = FederatedData(data, data, data, labels.numpy(), 10, parts)
     clients: list[list] = []
-    fit_reply = strategy_utils.fit_reply
+    fit_reply = common.fit_reply
 
     def timed(local, data, instruction):
         started = time.perf_counter()
@@ -249,7 +249,7 @@ def ours_worker(case: dict) -> None:
         clients.append([instruction.level, time.perf_counter() - started])
         return out
 
-    strategy_utils.fit_reply = timed
+    common.fit_reply = timed
     torch.manual_seed(0)
     engine.state = engine.strategy.init_global_state()
     _emit({"ready": True, "data": digest, "structure": _our_structure(engine.strategy)})
@@ -389,7 +389,7 @@ def steps(args) -> None:
     ways of ``--ways``; then what the core can do, bf16's error and SGD's kernels."""
     import torch
 
-    from nefl_zoo.fl.device import Placement
+    from nefl_zoo.fl.training.device import Placement
     from nefl_zoo.profile import count_macs
     from nefl_zoo.slim import compile_spec
     from nefl_zoo.spec import parse_spec
@@ -513,11 +513,11 @@ def _their_step(net, x, y):
 
 
 def _our_step(net, where, x, y):
-    """One SGD step of nefl-zoo's slim module as :func:`~nefl_zoo.fl.client.fit` takes it on ``where``."""
+    """One SGD step of nefl-zoo's slim module as :func:`~nefl_zoo.fl.training.client.fit` takes it on ``where``."""
     import torch
 
-    from nefl_zoo.fl.local import SubmodelLocal
-    from nefl_zoo.fl.step import MEMORY_FORMATS, LocalForward
+    from nefl_zoo.fl.strategy.local_model import SubmodelLocal
+    from nefl_zoo.fl.training.step import MEMORY_FORMATS, LocalForward
 
     local = SubmodelLocal(net).train().to(memory_format=MEMORY_FORMATS[where.memory_format])
     forward = LocalForward(local, where, len(x))

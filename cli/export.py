@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from nefl_zoo.datasets import NORMALIZATION, normalization
+from nefl_zoo.data.datasets import NORMALIZATION, normalization
 
 from .console import console, json_option, print_json, stdout_to_stderr
 from .errors import Choice, fail, guarded, require_budget, require_positive, user_errors

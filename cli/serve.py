@@ -182,8 +182,8 @@ def _test_images(dataset: str, shape: list[int], count: int):
     ``load_run_images`` uses: no augmentation; only these images are read, not the split)."""
     import numpy as np
 
-    from nefl_zoo.fl.data import load_data
-    from nefl_zoo.fl.settings import DataConfig
+    from nefl_zoo.data.loading import load_data
+    from nefl_zoo.data.config import DataConfig
 
     config = DataConfig.model_validate({"dataset": dataset, "augment": False, "partition": "iid", "local_split": None})
     loaded = load_data(config, Path(config.root), tuple(shape), 1, SAMPLE_SEED)

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
 E = TypeVar("E", bound=Exception)
@@ -40,6 +40,12 @@ MAX_FILE_BYTES = 2 * 2**20
 MAX_DEPTH = 64
 MAX_VALUES = 1_000_000
 _LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+class Strict(BaseModel):
+    """A config section: unknown keys are errors, and so are NaN and infinite numbers."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class FileError(ValueError):

@@ -14,15 +14,15 @@ from torch.utils.data import DataLoader
 from typer.testing import CliRunner
 
 from cli.app import app
-from nefl_zoo.fl import batched
-from nefl_zoo.fl.batches import ordered_batches, shuffled_batches
-from nefl_zoo.fl.bn import recompute_bn
-from nefl_zoo.fl.client import fit, training_batches
+from nefl_zoo.fl.training import parallel as batched
+from nefl_zoo.fl.training.batches import ordered_batches, shuffled_batches
+from nefl_zoo.fl.training.bn import recompute_bn
+from nefl_zoo.fl.training.client import fit, training_batches
 from nefl_zoo.fl.config import load_config, parse_config
-from nefl_zoo.fl.device import DeviceError, Placement, gpu_share, placed, resolve_device
+from nefl_zoo.fl.training.device import DeviceError, Placement, gpu_share, placed, resolve_device
 from nefl_zoo.fl.engine import Engine, resume_config
 from nefl_zoo.fl.methods.fedprox import ProximalLocal
-from nefl_zoo.fl.local import SubmodelLocal
+from nefl_zoo.fl.strategy.local_model import SubmodelLocal
 
 QUICK = "specs/train/digits-quick.yaml"
 # 40 clients of 33 or 34 digits: batches of 32 then 1 (skipped) or 2, so clients of one tier
@@ -242,7 +242,7 @@ def test_batched_clients_equal_sequential_ones(tmp_path, method, monkeypatch):
 def test_a_method_that_cannot_batch_says_so_once_and_trains_sequentially(tmp_path, caplog):
     batched._said.clear()
     sequential = _round(_engine(tmp_path, "method=fedprox"))
-    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.batched"):
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.training.parallel"):
         together = _round(_engine(tmp_path, "method=fedprox", "train.parallel_clients=4"))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["fedprox: clients train one at a time, not batched: its client model (ProximalLocal) has a loss "
@@ -411,7 +411,7 @@ def test_clients_that_cannot_batch_train_alone_each_reason_said_once(tmp_path, f
     called = []
     batched._said.clear()
     cids = {cid: type(instruction)(instruction.arrays, {**instruction.config, "cid": cid}, instruction.level) for cid in range(5)}
-    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.batched"):
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.training.parallel"):
         replies = batched.train_clients(stub(), cids, engine.data.client_dataset, lambda cid: called.append(cid) or "own", 4)
         batched.train_clients(stub(), cids, engine.data.client_dataset, lambda cid: "own", 4)
     assert called == [2] and replies[2] == "own"  # only the client without a local model: the method's own step

@@ -97,7 +97,7 @@ def test_the_engines_waits_are_checked_before_anything_is_loaded_or_sent(tmp_pat
     from nefl_zoo.fl import engine
     from nefl_zoo.fl.flower import FlowerEngine, NodeRegistry, server
     from nefl_zoo.fl.flower.nodes import collect
-    from nefl_zoo.fl.strategy import ClientInfo
+    from nefl_zoo.fl.strategy.base import ClientInfo
 
     from .conftest import tiny
 

@@ -1,7 +1,7 @@
 """The run store and checkpoint reader on hand-made tensors, without training: what each file
 holds after create / log / save, what a resume keeps and drops, and each refusal of
 ``read_checkpoint``. Fast (no model, no data), so ``make mutation`` runs it for
-``nefl_zoo/fl/store.py`` and ``nefl_zoo/fl/checkpoint.py``; the fault-injection runs of a real
+``nefl_zoo/runs/store.py`` and ``nefl_zoo/runs/checkpoint.py``; the fault-injection runs of a real
 training are in ``tests/test_store.py``."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
-from nefl_zoo.fl.checkpoint import Checkpoint, CheckpointError, check_state, read_checkpoint, read_pointer, saved_config
-from nefl_zoo.fl.store import RunExistsError, RunStore
+from nefl_zoo.runs.checkpoint import Checkpoint, CheckpointError, check_state, read_checkpoint, read_pointer, saved_config
+from nefl_zoo.runs.store import RunExistsError, RunStore
 
 COLUMNS = ["round", "loss", "acc_a", "acc_b"]
 CONFIG = {"rounds": 4, "name": "unit"}  # not in sorted order: the files keep the order given
@@ -265,7 +265,7 @@ def test_published_state_is_the_committed_generation(run):
 
 
 def test_read_pointer_problems_are_one_line(run, tmp_path, monkeypatch):
-    import nefl_zoo.fl.checkpoint as checkpoint_module
+    import nefl_zoo.runs.checkpoint as checkpoint_module
 
     with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'absent'}: no such run directory$"):
         read_pointer(tmp_path / "absent")
@@ -351,7 +351,7 @@ def test_client_keys_may_contain_the_separator_and_server_state_defaults_to_empt
 
 
 def test_rng_states_round_trip_as_json():
-    from nefl_zoo.fl.checkpoint import rng_states, set_rng_states
+    from nefl_zoo.runs.checkpoint import rng_states, set_rng_states
 
     random.seed(4), np.random.seed(5), torch.manual_seed(6)
     states = json.loads(json.dumps(rng_states()))
@@ -361,7 +361,7 @@ def test_rng_states_round_trip_as_json():
 
 
 def test_a_checkpoint_json_that_cannot_be_read_as_a_pointer(run, monkeypatch):
-    import nefl_zoo.fl.checkpoint as checkpoint_module
+    import nefl_zoo.runs.checkpoint as checkpoint_module
 
     path = run / "checkpoint.json"
     path.write_bytes(b'{"format": 2, "round": "\xff\xfe"}')  # not UTF-8: a one-line refusal, not a traceback
@@ -424,7 +424,7 @@ def test_crash_points_are_reached_in_the_documented_order(tmp_path, monkeypatch)
     """The names of the store's module docstring, in its order, for an overwrite, a logged round,
     a committed checkpoint with client and server state, and the summary."""
     import nefl_zoo.files as files
-    import nefl_zoo.fl.store as store_module
+    import nefl_zoo.runs.store as store_module
 
     reached = []
     monkeypatch.setattr(store_module, "crash_point", reached.append)

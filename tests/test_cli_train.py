@@ -121,7 +121,7 @@ def test_methods_lists_every_registered_method_with_its_settings():
 
 
 def test_methods_lists_every_registered_method():
-    from nefl_zoo.fl.registry import registered_methods
+    from nefl_zoo.fl.strategy.registry import registered_methods
 
     result = runner.invoke(app, ["methods", "--json"])
     assert result.exit_code == 0, result.output

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from nefl_zoo.fl.clock import TierCosts, VirtualClock
+from nefl_zoo.fl.devices.clock import TierCosts, VirtualClock
 from nefl_zoo.fl.config import ConfigError
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.population import DevicesConfig, Population
-from nefl_zoo.fl.strategy import ClientInfo
-from nefl_zoo.fl.time_to_accuracy import default_target, time_table, time_to_accuracy
+from nefl_zoo.fl.devices.population import DevicesConfig, Population
+from nefl_zoo.fl.strategy.base import ClientInfo
+from nefl_zoo.fl.devices.time_to_accuracy import default_target, time_table, time_to_accuracy
 
 from .conftest import crash_in_round, records, same_tensors, tiny
 
@@ -211,7 +211,7 @@ def test_tier_costs_are_three_forward_macs_and_three_copies_of_the_weights_plus_
     """A training step costs forward + backward (3x the forward MACs); its memory holds the
     weights, their gradients and the optimizer's copy (3x the bytes) and every layer's output
     per image of the batch."""
-    from nefl_zoo.fl.clock import activation_bytes
+    from nefl_zoo.fl.devices.clock import activation_bytes
     from nefl_zoo.profile import macs_signature, tier_macs
     from nefl_zoo.slim import compile_spec
 
@@ -241,7 +241,7 @@ def test_time_report_writes_its_json_table_and_figure(tmp_path, monkeypatch):
     (its seeds share them), the target dashed, 7 x 4.5 inches."""
     import matplotlib.figure
 
-    from nefl_zoo.fl.time_to_accuracy import time_report
+    from nefl_zoo.fl.devices.time_to_accuracy import time_report
 
     points = {"a": [[({"sim_time_s": 10.0}, 40.0), ({"sim_time_s": 20.0}, 60.0)]] * 2,
               "b": [[({"sim_time_s": 30.0}, 30.0), ({"sim_time_s": 90.0}, 70.0)]] * 2}

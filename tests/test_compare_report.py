@@ -98,7 +98,7 @@ def test_the_table_has_every_treatment_row_column_further_model_and_paired_diffe
 
 def test_macs_per_client_round_average_every_trained_client_of_every_round_and_seed(tmp_path, monkeypatch):
     from nefl_zoo.fl import compare
-    from nefl_zoo.fl.data import load_data
+    from nefl_zoo.data.loading import load_data
 
     monkeypatch.setattr(compare, "_SIZES", {})  # read here, not from an earlier test's cache
 

@@ -1,4 +1,4 @@
-"""The local training step (``nefl_zoo.fl.step``): ``train.compile`` (one compilation per
+"""The local training step (``nefl_zoo.fl.training.step``): ``train.compile`` (one compilation per
 submodel structure, results equal to eager training, a compiled run resumed bit for bit),
 ``train.memory_format`` and the default step (the same results as before). The runs are
 two-round digits runs of a ResNet20 cut to one residual block and two projection shortcuts at
@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nefl_zoo.fl import step
-from nefl_zoo.fl.batches import shuffled_batches
-from nefl_zoo.fl.client import fit
+from nefl_zoo.fl.training import step
+from nefl_zoo.fl.training.batches import shuffled_batches
+from nefl_zoo.fl.training.client import fit
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
-from nefl_zoo.fl.device import Placement, placed
+from nefl_zoo.fl.training.device import Placement, placed
 from nefl_zoo.fl.engine import Engine, resume_config
 from nefl_zoo.fl.methods.fedprox import ProximalLocal
-from nefl_zoo.fl.local import SubmodelLocal
+from nefl_zoo.fl.strategy.local_model import SubmodelLocal
 
 QUICK = "specs/train/digits-quick.yaml"
 ONE_BLOCK = [[1, 0, 0], [0, 0, 0], [0, 0, 0]]  # stages 2 and 3 keep only their projection shortcuts
@@ -189,7 +189,7 @@ def test_a_client_whose_loss_is_not_pure_trains_eagerly_said_once(tmp_path, capl
     engine, instruction, data = _client(tmp_path)
     before = step.compile_stats.graphs
     step._said.clear()
-    with placed(Placement(compile=True)), caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.step"):
+    with placed(Placement(compile=True)), caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.training.step"):
         for _ in range(2):
             result = fit(ProximalLocal(engine.strategy.local_model(instruction), 0.1), data, {**instruction.config, "local_epochs": 1})
     assert step.compile_stats.graphs == before and "compile_s" not in result.metrics

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from nefl_zoo.fl.config import ConfigError, parse_config
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.depthfl import nested_prefixes
-from nefl_zoo.fl.strategy import Reply
+from nefl_zoo.fl.strategy.base import Reply
 from nefl_zoo.slim import SliceMap
 from nefl_zoo.spec import load_spec, shipped_specs_dir
 from nefl_zoo_cli.app import app

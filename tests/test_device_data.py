@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from nefl_zoo.fl.config import ConfigError, load_config
-from nefl_zoo.fl.device_data import device_partition, largest_remainder
+from nefl_zoo.data.device_partition import device_partition, largest_remainder
 from nefl_zoo.fl.engine import Engine, RunResult
-from nefl_zoo.fl.population import DevicesConfig, device_kinds
+from nefl_zoo.fl.devices.population import DevicesConfig
+from nefl_zoo.data.device_partition import device_kinds
 from nefl_zoo.slim import SliceMap
 
 from .conftest import crash_in_round, records, same_tensors, tiny

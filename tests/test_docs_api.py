@@ -89,7 +89,7 @@ def test_the_reference_renders_the_package(objects):
     paths = {obj.path for obj in objects}
     assert len(objects) > 150
     assert {"nefl_zoo.slim.compiler.compile_spec", "nefl_zoo.runtime.tiers.TierRuntime.run",
-            "nefl_zoo.fl.aggregate.nefedavg", "nefl_zoo.export.tiers.export_tiers"} <= paths
+            "nefl_zoo.fl.aggregation.nefedavg.nefedavg", "nefl_zoo.export.tiers.export_tiers"} <= paths
 
 
 def problems(obj) -> list[str]:

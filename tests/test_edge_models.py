@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from nefl_zoo.fl.registry import registered_methods
+from nefl_zoo.fl.strategy.registry import registered_methods
 from nefl_zoo.models import ModelArgsError, create_model, load_pretrained
 from nefl_zoo.models.shufflenet import ShuffleNetV2
 from nefl_zoo.profile import count_macs

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from nefl_zoo.fl.data import local_split
+from nefl_zoo.data.loading import local_split
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.fedgh import local_averaged_representations
-from nefl_zoo.fl.strategy import Reply
+from nefl_zoo.fl.strategy.base import Reply
 
 from .conftest import tiny
 
@@ -61,7 +61,7 @@ def test_server_trains_the_global_header_with_its_own_sgd_one_step_per_lar():
 @pytest.mark.parametrize("server_lr", ["default", None])
 def test_the_header_learns_at_the_papers_fixed_rate_by_default_or_at_the_local_schedule(server_lr):
     """The paper trains the header at a fixed 0.01; ``server_lr: null`` follows the local lr."""
-    from nefl_zoo.fl.client import learning_rate
+    from nefl_zoo.fl.training.client import learning_rate
 
     args = {"rep_dim": 3} | ({} if server_lr == "default" else {"server_lr": None})
     config = fedgh(method_args=args, train__schedule="step")

@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from nefl_zoo.fl.bn import recompute_bn
+from nefl_zoo.fl.training.bn import recompute_bn
 from nefl_zoo.fl.config import ConfigError
-from nefl_zoo.fl.data import load_data
+from nefl_zoo.data.loading import load_data
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_backbone, weighted_average
 from nefl_zoo.fl.methods.fedlps.method import BACKBONE_SHA256
 from nefl_zoo.fl.methods.fedlps.pretrain import public_data
-from nefl_zoo.fl.strategy import Reply
+from nefl_zoo.fl.strategy.base import Reply
 from nefl_zoo.models import create_model
 from nefl_zoo.profile import count_macs
 from nefl_zoo.slim import SliceMap

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nefl_zoo.fl.data import DatasetNotFoundError, load_data
+from nefl_zoo.data.loading import DatasetNotFoundError, load_data
 from nefl_zoo.fl.engine import Engine
 
 from .conftest import tiny
@@ -213,7 +213,7 @@ def test_dataset_labels_reads_labels_without_loading_an_image():
 def test_each_dataset_is_converted_to_the_models_channels_with_its_own_statistics():
     from PIL import Image
 
-    from nefl_zoo.fl.multidata import _transform
+    from nefl_zoo.data.multidata import _transform
 
     colour = Image.fromarray(np.broadcast_to(np.array([30, 60, 240], np.uint8), (4, 4, 3)).copy())
     grey = Image.fromarray(np.full((4, 4), 51, np.uint8))
@@ -229,7 +229,7 @@ def test_each_dataset_is_converted_to_the_models_channels_with_its_own_statistic
 def test_training_augmentation_is_a_padded_crop_and_cifars_flip(name, padding, flip):
     from torchvision.transforms import v2
 
-    from nefl_zoo.fl.multidata import _transform
+    from nefl_zoo.data.multidata import _transform
 
     steps = _transform(name, (3, 8, 8), True).transforms
     crops = [s for s in steps if isinstance(s, v2.RandomCrop)]
@@ -241,7 +241,7 @@ def test_training_augmentation_is_a_padded_crop_and_cifars_flip(name, padding, f
 @pytest.mark.parametrize("name, expected", [("svhn", "train_32x32.mat and test_32x32.mat"),
                                             ("cifar10", "cifar-10-batches-py/data_batch_1..5 and test_batch")])
 def test_a_missing_dataset_names_the_files_it_expects(tmp_path, name, expected):
-    from nefl_zoo.fl.multidata import _read
+    from nefl_zoo.data.multidata import _read
 
     with pytest.raises(FileNotFoundError, match=rf"^{name} not found in {tmp_path}: expected {re.escape(expected)} \("):
         _read(name, tmp_path, True)

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from nefl_zoo.fl.config import ConfigError
-from nefl_zoo.fl.data import load_data
+from nefl_zoo.data.loading import load_data
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.fedlps import l1_channels, load_backbone, pretrain_backbone
 from nefl_zoo.fl.methods.fedlps.method import BACKBONE_SHA256
-from nefl_zoo.fl.strategy import ClientInfo, Instruction
+from nefl_zoo.fl.strategy.base import ClientInfo, Instruction
 
 from .conftest import assert_equal_tensors, crash_in_round, records, same_tensors, tiny
 

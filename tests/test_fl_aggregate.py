@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nefl_zoo.fl.aggregate import Update, nefedavg
+from nefl_zoo.fl.aggregation.nefedavg import Update, nefedavg
 from nefl_zoo.slim import compile_spec, tier_key
 from nefl_zoo.spec import parse_spec
 

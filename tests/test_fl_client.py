@@ -1,11 +1,11 @@
-"""A client's local training pieces (``nefl_zoo.fl.client``): the batches an instruction asks
+"""A client's local training pieces (``nefl_zoo.fl.training.client``): the batches an instruction asks
 for and the reply a trained client sends."""
 
 import numpy as np
 import torch
 
-from nefl_zoo.fl.client import ClientResult, training_batches
-from nefl_zoo.fl.data import TensorImages
+from nefl_zoo.fl.training.client import ClientResult, training_batches
+from nefl_zoo.data.loading import TensorImages
 
 DATA = TensorImages(torch.arange(10, dtype=torch.float32).view(10, 1, 1, 1), np.arange(10) % 3)
 
@@ -40,7 +40,7 @@ def test_a_state_loads_only_when_it_fits_the_module():
     import pytest
     from torch import nn
 
-    from nefl_zoo.fl.local import load_entries
+    from nefl_zoo.fl.strategy.local_model import load_entries
 
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
     full = {k: torch.full_like(v, 0.5) for k, v in net.state_dict().items()}

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from nefl_zoo.fl.config import ConfigError, load_config, parse_config
-from nefl_zoo.fl.client import learning_rate
-from nefl_zoo.fl.registry import registered_methods
+from nefl_zoo.fl.training.client import learning_rate
+from nefl_zoo.fl.strategy.registry import registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"model": "resnet20", "tiers": [{"name": "a", "gamma_w": 0.5}, {"name": "b"}]}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nefl_zoo.fl.config import DataConfig
-from nefl_zoo.fl.data import NORMALIZATION, DatasetNotFoundError, load_data, partition
+from nefl_zoo.data.loading import NORMALIZATION, DatasetNotFoundError, load_data, partition
 
 TARGETS = np.repeat(np.arange(10), 30)
 
@@ -166,7 +166,7 @@ def test_the_appendix_augmentations_are_svhns_jitter_and_the_others_flip():
     horizontal flip; evaluation: resize and normalise only."""
     from torchvision.transforms import v2
 
-    from nefl_zoo.fl.data import _transforms
+    from nefl_zoo.data.loading import _transforms
 
     train, plain = _transforms("svhn", (3, 32, 32), True)
     crop, jitter = train.transforms[2], train.transforms[3]
@@ -180,7 +180,7 @@ def test_the_appendix_augmentations_are_svhns_jitter_and_the_others_flip():
 
 
 def test_normalisation_per_channel_for_grey_and_colour_models():
-    from nefl_zoo.datasets import normalization, per_channel
+    from nefl_zoo.data.datasets import normalization, per_channel
 
     assert per_channel(((0.1, 0.2, 0.6), (0.2, 0.4, 0.3)), 1) == (pytest.approx((0.3,)), pytest.approx((0.3,)))
     assert per_channel(((0.5,), (0.25,)), 3) == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
@@ -189,7 +189,7 @@ def test_normalisation_per_channel_for_grey_and_colour_models():
 
 
 def test_each_clients_data_is_split_train_val_test_seeded_per_client():
-    from nefl_zoo.fl.data import local_split
+    from nefl_zoo.data.loading import local_split
 
     parts = [np.arange(10), np.arange(10, 13), np.arange(20, 22)]
     train, holdout = local_split(parts, (0.6, 0.2, 0.2), seed=1)

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
-from nefl_zoo.fl.client import evaluate
-from nefl_zoo.fl.data import load_data
+from nefl_zoo.fl.training.client import evaluate
+from nefl_zoo.data.loading import load_data
 from nefl_zoo.fl.engine import Engine, client_groups
 from nefl_zoo.fl.methods.fjord import nested_entry
-from nefl_zoo.fl.strategy_utils import with_bn
+from nefl_zoo.fl.methods.common import with_bn
 from nefl_zoo.slim import compile_spec, tier_key
 
 from .conftest import records, tiny
@@ -160,9 +160,9 @@ def test_depthfl_holds_its_prefix_and_the_exits_up_to_it_and_evaluates_the_ensem
 
 
 def test_bn_recompute_batches_are_the_first_of_one_shuffled_epoch_on_the_placement():
-    from nefl_zoo.fl.batches import shuffled_batches
-    from nefl_zoo.fl.bn import recompute_batches
-    from nefl_zoo.fl.device import Placement, placed
+    from nefl_zoo.fl.training.batches import shuffled_batches
+    from nefl_zoo.fl.training.bn import recompute_batches
+    from nefl_zoo.fl.training.device import Placement, placed
 
     data = TensorDataset(torch.arange(10.0).view(10, 1), torch.arange(10))
     first = [y.tolist() for _, y in shuffled_batches(data, 4, seed=3)]  # one epoch: batches of 4, 4, 2
@@ -175,7 +175,7 @@ def test_bn_recompute_batches_are_the_first_of_one_shuffled_epoch_on_the_placeme
 def test_only_a_zero_padded_square_crop_is_reproduced_on_resident_images():
     from torchvision.transforms import v2
 
-    from nefl_zoo.fl.batches import _crop_padding
+    from nefl_zoo.fl.training.batches import _crop_padding
 
     assert _crop_padding(None) == 0 and _crop_padding(v2.RandomCrop(8, padding=2)) == 2
     assert _crop_padding(v2.RandomCrop(8, padding=[3, 3, 3, 3], fill=0)) == 3
@@ -186,8 +186,8 @@ def test_only_a_zero_padded_square_crop_is_reproduced_on_resident_images():
 
 
 def test_in_memory_images_are_batched_without_a_dataloader_unless_their_transform_needs_one(monkeypatch):
-    import nefl_zoo.fl.batches as batches
-    from nefl_zoo.fl.data import TensorImages
+    import nefl_zoo.fl.training.batches as batches
+    from nefl_zoo.data.loading import TensorImages
 
     images = TensorImages(torch.arange(48.0).view(12, 1, 2, 2), torch.arange(12).numpy())
     shifted = TensorImages(images.images, images.labels.numpy(), transform=lambda x: x + 100)
@@ -207,7 +207,7 @@ def test_in_memory_images_are_batched_without_a_dataloader_unless_their_transfor
 
 
 def test_dataloader_batches_move_to_the_device_too():
-    from nefl_zoo.fl.batches import shuffled_batches
+    from nefl_zoo.fl.training.batches import shuffled_batches
 
     data = TensorDataset(torch.zeros(6, 1, 2, 2), torch.arange(6))  # not in-memory images: the DataLoader path
     assert {(x.device.type, y.device.type) for x, y in shuffled_batches(data, 4, 0, 1, "meta")} == {("meta", "meta")}

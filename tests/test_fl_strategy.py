@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nefl_zoo.fl import registry
+from nefl_zoo.fl.strategy import registry
 from nefl_zoo.fl.engine import Engine
 from nefl_zoo.fl.methods.nefl import NeFL
-from nefl_zoo.fl.registry import register_method
-from nefl_zoo.fl.strategy import ClientInfo, Reply
+from nefl_zoo.fl.strategy.registry import register_method
+from nefl_zoo.fl.strategy.base import ClientInfo, Reply
 from nefl_zoo.slim import tier_key
 
 from .conftest import crash_in_round, same_tensors, tiny
@@ -221,12 +221,13 @@ def test_the_builtin_methods_are_found_in_a_fresh_process_in_module_order():
     import subprocess
     import sys
 
-    code = ("from nefl_zoo.fl.registry import registered_methods, _BUILTIN_MODULES\n"
+    code = ("from nefl_zoo.fl.strategy.registry import registered_methods, _BUILTIN_MODULES\n"
             "print(','.join(registered_methods())); print(','.join(_BUILTIN_MODULES))")
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert lines[0].split(",") == BUILTIN_METHODS
     assert lines[1].split(",") == [f"nefl_zoo.fl.methods.{m}" for m in
-                                   ("depthfl", "fedavg", "fedavgm", "fedgh", "fedlps", "fedprox", "fjord", "heterofl", "nefl")]
+                                   ("common", "depthfl", "fedavg", "fedavgm", "feddyn", "fedgh", "fedlps", "fedprox", "fjord",
+                                    "heterofl", "nefl")]  # common and feddyn: shared, registering nothing
 
 
 def test_an_unknown_method_lists_the_known_ones():
@@ -238,7 +239,7 @@ def test_an_unknown_method_lists_the_known_ones():
 def test_the_strategy_base_refuses_in_words_that_name_the_method():
     from types import SimpleNamespace
 
-    from nefl_zoo.fl.strategy import MethodInfo, Strategy
+    from nefl_zoo.fl.strategy.base import MethodInfo, Strategy
 
     spec = tiny().submodel_spec()
     with pytest.raises(ValueError, match=r"^worst_case 'g2' is not one of eval_names \['g0\.25', 'g1'\]$"):

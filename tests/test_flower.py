@@ -161,10 +161,10 @@ def serve(kind, reply, node_config=None, secure=None):
     """One ``kind`` message for run ``r`` to a node set up for it, its method scripted."""
     from flwr.app import ConfigRecord
 
-    from nefl_zoo.fl.device import Placement
+    from nefl_zoo.fl.training.device import Placement
     from nefl_zoo.fl.flower import client as flower_client
     from nefl_zoo.fl.flower.records import instruction_content
-    from nefl_zoo.fl.strategy import Instruction
+    from nefl_zoo.fl.strategy.base import Instruction
 
     strategy = ScriptedStrategy(reply)
     data = SimpleNamespace(client_dataset=lambda p: f"train split {p}", client_test=lambda p: f"test split {p}")
@@ -181,7 +181,7 @@ def serve(kind, reply, node_config=None, secure=None):
 
 
 def test_an_evaluate_message_runs_the_clients_evaluation_on_its_own_test_split(server_identity):
-    from nefl_zoo.fl.strategy import Reply
+    from nefl_zoo.fl.strategy.base import Reply
 
     answer, strategy = serve("evaluate", Reply({}, {"accuracy": 0.5}, num_samples=3))
     assert [(kind, level, data) for kind, level, data, _ in strategy.calls] == [("evaluate", "g0.5", "test split 2")]
@@ -195,7 +195,7 @@ def test_an_evaluate_message_runs_the_clients_evaluation_on_its_own_test_split(s
 def test_a_client_hook_that_reports_an_error_is_an_error_reply_and_a_node_without_a_partition_is_refused(server_identity):
     from flwr.common.constant import ErrorCode
 
-    from nefl_zoo.fl.strategy import Reply
+    from nefl_zoo.fl.strategy.base import Reply
 
     answer, _ = serve("train", Reply({}, error="out of memory"))
     assert answer.has_error() and (answer.error.code, answer.error.reason) == (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "out of memory")
@@ -278,17 +278,17 @@ def test_a_reply_to_no_message_of_the_round_is_ignored_and_logged(server_identit
     engine = FlowerEngine(tiny(rounds=1, train__local_epochs=1, data__max_test_samples=32), tmp_path, Stray(4), timeout=5)
     torch.manual_seed(0)
     engine.state = engine.strategy.init_global_state()
-    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.flower.engine"):
+    with caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.flower.flower_engine"):
         record = engine.run_round(0)
     assert record["clients"] == 4 and record["rejected"] == 0
-    assert [r.getMessage() for r in caplog.records if r.name == "nefl_zoo.fl.flower.engine"][0] == \
+    assert [r.getMessage() for r in caplog.records if r.name == "nefl_zoo.fl.flower.flower_engine"][0] == \
         "a train reply from node 1001 answers no message of this round; ignored"
 
 
 def test_secure_weights_are_scaled_for_the_clients_of_a_round(monkeypatch, tmp_path):
     """The check that the smallest scaled weight stays clear of SecAgg+'s error is made for the
     clients one round samples (``fraction`` of them), as the error grows with them."""
-    from nefl_zoo.fl.flower import engine as flower_engine
+    from nefl_zoo.fl.flower import flower_engine
 
     calls = []
     monkeypatch.setattr(flower_engine, "weight_scale", lambda strategy, sizes, settings, clients: calls.append((sizes, clients)) or 0.5)

@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Message, RecordDict  # noqa: E402
 
 from nefl_zoo.fl.flower import nodes  # noqa: E402
 from nefl_zoo.fl.flower.nodes import NODE, NodeRegistry, Stopped, check_waits  # noqa: E402
-from nefl_zoo.fl.strategy import ClientInfo  # noqa: E402
+from nefl_zoo.fl.strategy.base import ClientInfo  # noqa: E402
 
 CLIENTS = [ClientInfo(0, ("g1",)), ClientInfo(1, ("g1",))]
 

@@ -13,7 +13,7 @@ from flwr.app import Error, Message, RecordDict  # noqa: E402
 
 from nefl_zoo.fl.flower.records import (instruction_content, read_instruction, read_reply, reply_content,  # noqa: E402
                                         tensor_bytes, to_state)
-from nefl_zoo.fl.strategy import Instruction, Reply  # noqa: E402
+from nefl_zoo.fl.strategy.base import Instruction, Reply  # noqa: E402
 
 from .conftest import assert_equal_tensors  # noqa: E402
 

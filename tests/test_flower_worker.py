@@ -263,11 +263,11 @@ def test_the_real_clientapp_answers_every_bad_message_with_an_error_and_serves_t
 
     from flwr.app import Array, ArrayRecord, Context, MessageType
 
-    from nefl_zoo.fl.device import Placement
+    from nefl_zoo.fl.training.device import Placement
     from nefl_zoo.fl.flower import client as flower_client
     from nefl_zoo.fl.flower.nodes import NODE, SETUP
     from nefl_zoo.fl.flower.records import CLIENT, instruction_content
-    from nefl_zoo.fl.strategy import Instruction
+    from nefl_zoo.fl.strategy.base import Instruction
 
     class Failing:  # a method whose training fails: raises, or exits the process as some libraries do
         def train(self, instruction, dataset, state):

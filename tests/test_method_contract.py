@@ -18,9 +18,9 @@ import torch
 from typer.testing import CliRunner
 
 from nefl_zoo.fl.engine import Engine, resume_config
-from nefl_zoo.fl.registry import parse_settings, registered_methods
-from nefl_zoo.fl.strategy import MethodInfo
-from nefl_zoo.fl.strategy_utils import level_sizes
+from nefl_zoo.fl.strategy.registry import parse_settings, registered_methods
+from nefl_zoo.fl.strategy.base import MethodInfo
+from nefl_zoo.fl.methods.common import level_sizes
 from nefl_zoo.slim import compile_spec
 
 from .conftest import CONTRACT_LEVELS as LEVELS, contract_config, contract_run, crash_in_round, records, same_tensors

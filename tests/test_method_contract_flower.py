@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from nefl_zoo.fl.registry import registered_methods  # noqa: E402
+from nefl_zoo.fl.strategy.registry import registered_methods  # noqa: E402
 
 from .conftest import contract_config, records, same_tensors  # noqa: E402
 from .support.flower import (CLIENT_STATES, OBSERVED, RAY_METHODS, InProcessGrid, layout, secure_contract_config, simulation,  # noqa: E402

@@ -21,8 +21,8 @@ from nefl_zoo.fl.config import ConfigError, load_config, parse_config
 from nefl_zoo.fl.engine import RunResult
 from nefl_zoo.fl.methods.depthfl import nefl_depth_spec
 from nefl_zoo.fl.methods.fjord import distillation_loss, nested_entry
-from nefl_zoo.fl.strategy import Instruction, Reply
-from nefl_zoo.fl.strategy_utils import bn_treatments, module_macs, with_bn
+from nefl_zoo.fl.strategy.base import Instruction, Reply
+from nefl_zoo.fl.methods.common import bn_treatments, module_macs, with_bn
 from nefl_zoo.profile import count_params
 from nefl_zoo.slim import SliceEntry, SliceMap
 from nefl_zoo.spec import parse_spec
@@ -181,7 +181,7 @@ def test_depthfl_mutual_distillation_is_the_ramped_average_kl_between_exits():
 
 def test_depthfl_distillation_weight_ramps_up_as_the_papers_formula(monkeypatch):
     from nefl_zoo.fl.methods.depthfl import Prefixes, kd_weight
-    from nefl_zoo.fl.strategy import Instruction
+    from nefl_zoo.fl.strategy.base import Instruction
 
     # exp(-5 (1 - t/R)^2), t = round - 1 capped at R = 0.3 T: the authors' 300 of 1000 rounds
     assert kd_weight(1, 1000, 0.3) == pytest.approx(math.exp(-5), rel=1e-12)  # 0.0067 at the start
@@ -205,8 +205,8 @@ def test_depthfl_distillation_weight_ramps_up_as_the_papers_formula(monkeypatch)
 
 
 def test_feddyn_client_and_server_updates_by_hand():
-    from nefl_zoo.fl.feddyn import FedDynLocal, client_update, is_parameter, server_update
-    from nefl_zoo.fl.local import SubmodelLocal
+    from nefl_zoo.fl.methods.feddyn import FedDynLocal, client_update, is_parameter, server_update
+    from nefl_zoo.fl.strategy.local_model import SubmodelLocal
 
     # server: h <- h - alpha n/M (w_avg - w_old); w = w_avg - h/alpha; statistics untouched
     h = {"a.weight": torch.tensor([1.0, 0.0])}
@@ -435,7 +435,7 @@ def test_fjord_nefl_trains_one_width_per_client_round_and_is_nefl_w_with_fixed_s
     """The NeFL authors' FjORD: the width a client draws this round (as NeFL draws submodels),
     cross-entropy, fixed steps, 1 per client: bit-identical to NeFL on the same widths with N/L steps."""
     from nefl_zoo.fl.engine import Engine
-    from nefl_zoo.fl.local import SubmodelLocal
+    from nefl_zoo.fl.strategy.local_model import SubmodelLocal
 
     from .conftest import tiny
 
@@ -512,7 +512,7 @@ def test_compare_preset_nefl_table1_runs_every_row_with_its_macs_per_client_roun
     its ablation, and the MACs column; FedAvg's value recomputed here: local epochs x the client's
     training samples x fvcore's forward MACs of the full ResNet20 at 1x8x8."""
     from nefl_zoo.fl.compare import PRESETS, compare_methods
-    from nefl_zoo.fl.data import load_data
+    from nefl_zoo.data.loading import load_data
     from nefl_zoo.models import create_model
     from nefl_zoo.profile import count_macs
 

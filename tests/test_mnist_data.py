@@ -18,10 +18,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nefl_zoo.datasets import normalization
-from nefl_zoo.fl.data import DatasetNotFoundError, load_data, partition
-from nefl_zoo.fl.mnist import IdxFileError
-from nefl_zoo.fl.settings import DataConfig
+from nefl_zoo.data.datasets import normalization
+from nefl_zoo.data.loading import DatasetNotFoundError, load_data, partition
+from nefl_zoo.data.mnist import IdxFileError
+from nefl_zoo.data.config import DataConfig
 from nefl_zoo.models.registry import list_models
 
 torch.set_num_threads(1)
@@ -311,7 +311,7 @@ def test_an_interrupted_download_leaves_nothing_that_stops_the_same_command(tmp_
 
 
 def test_a_split_for_tasks_yields_pil_images_as_torchvision_did(tmp_path):
-    from nefl_zoo.fl.mnist import open_split
+    from nefl_zoo.data.mnist import open_split
 
     write_family(tmp_path, "mnist")
     split = open_split("mnist", tmp_path, train=False)
@@ -398,8 +398,8 @@ def test_images_are_resized_as_torchvision_resizes_them():
     bilinear with pixel centres aligned (align_corners=False)."""
     from torchvision.transforms.v2 import functional as TF
 
-    from nefl_zoo.datasets import normalization
-    from nefl_zoo.fl.mnist import to_model_input
+    from nefl_zoo.data.datasets import normalization
+    from nefl_zoo.data.mnist import to_model_input
 
     images = torch.from_numpy(_images(0))
     for size in (14, 32):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from dp_accounting.rdp import RdpAccountant
 
-from nefl_zoo.fl.aggregate import Update
-from nefl_zoo.fl.aggregation import AggregationConfig, PrivacyConfig, aggregate_updates
+from nefl_zoo.fl.aggregation.nefedavg import Update
+from nefl_zoo.fl.aggregation.rules import AggregationConfig, PrivacyConfig, aggregate_updates
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.privacy import epsilon, noise_generator, private_mean
+from nefl_zoo.fl.aggregation.privacy import epsilon, noise_generator, private_mean
 from nefl_zoo.slim import SliceEntry
 
 from .conftest import crash_in_round, records, same_tensors, tiny

@@ -42,8 +42,8 @@ def invoke(*args):
 def digits():
     """Training and test images as training loads them (no augmentation): the reference the
     export's own loading is checked against."""
-    from nefl_zoo.fl.data import load_data
-    from nefl_zoo.fl.settings import DataConfig
+    from nefl_zoo.data.loading import load_data
+    from nefl_zoo.data.config import DataConfig
 
     data = load_data(DataConfig(augment=False, **DATA), "data", (1, 8, 8), 1, 0)
     test = [data.test[i] for i in range(len(data.test))]

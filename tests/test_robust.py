@@ -5,11 +5,11 @@ refusals and a bit-identical resume."""
 import pytest
 import torch
 
-from nefl_zoo.fl.aggregate import Update, nefedavg
-from nefl_zoo.fl.aggregation import AggregationConfig, aggregate_updates
+from nefl_zoo.fl.aggregation.nefedavg import Update, nefedavg
+from nefl_zoo.fl.aggregation.rules import AggregationConfig, aggregate_updates
 from nefl_zoo.fl.config import ConfigError
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.robust import clip_update, coordinate_rule, update_norm
+from nefl_zoo.fl.aggregation.robust import clip_update, coordinate_rule, update_norm
 from nefl_zoo.slim import SliceEntry
 
 from .conftest import crash_in_round, records, same_tensors, tiny

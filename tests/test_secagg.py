@@ -1,6 +1,6 @@
 """Secure aggregation on Flower (``secure_aggregation:``, Flower's SecAgg+): one round of NeFL,
 HeteroFL and FjORD gives the plain run's global model within SecAgg+'s quantisation error
-(:func:`~nefl_zoo.fl.secagg.sum_error`), the server receives only masked vectors, dropouts are
+(:func:`~nefl_zoo.fl.aggregation.secagg.sum_error`), the server receives only masked vectors, dropouts are
 handled as Flower handles them, and bad settings are refused in one line.
 
 The protocol runs on an :class:`~.support.flower.InProcessGrid` with ``wire``: the nodes'
@@ -30,7 +30,8 @@ from nefl_zoo.fl.config import ConfigError  # noqa: E402
 from nefl_zoo.fl.engine import Engine  # noqa: E402
 from nefl_zoo.fl.flower import FlowerEngine, SimulatedRun, simulate_runs  # noqa: E402
 from nefl_zoo.fl.flower.secure import check_secure  # noqa: E402
-from nefl_zoo.fl.secagg import Layout, SecureAggregation, sum_error, weight_scale  # noqa: E402
+from nefl_zoo.fl.aggregation.secagg import Layout, SecureAggregation, sum_error
+from nefl_zoo.fl.methods.common import weight_scale  # noqa: E402
 
 from .conftest import records, same_tensors, set_server_identity, tiny  # noqa: E402
 from .support.flower import InProcessGrid  # noqa: E402
@@ -252,7 +253,7 @@ def test_the_node_side_passes_other_messages_and_answers_a_failure_with_an_error
 
 def test_a_clipped_update_and_rejected_replies_are_logged_by_client(caplog):
     from nefl_zoo.fl.flower.secure import SecureMethod, secure_content
-    from nefl_zoo.fl.strategy import ClientInfo, Reply
+    from nefl_zoo.fl.strategy.base import ClientInfo, Reply
 
     strategy = config().build_strategy()
     state = strategy.init_global_state()

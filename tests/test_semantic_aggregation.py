@@ -12,14 +12,15 @@ pytest.importorskip("flwr")
 
 from flwr.common.secure_aggregation.quantization import quantize  # noqa: E402
 
-from nefl_zoo.fl.aggregate import Update  # noqa: E402
-from nefl_zoo.fl.aggregation import AggregationConfig, aggregate_updates  # noqa: E402
+from nefl_zoo.fl.aggregation.nefedavg import Update  # noqa: E402
+from nefl_zoo.fl.aggregation.rules import AggregationConfig, aggregate_updates  # noqa: E402
 from nefl_zoo.fl.config import ConfigError  # noqa: E402
 from nefl_zoo.fl.flower.secure import check_secure  # noqa: E402
-from nefl_zoo.fl.privacy import noise_generator, private_mean  # noqa: E402
-from nefl_zoo.fl.robust import coordinate_rule  # noqa: E402
-from nefl_zoo.fl.secagg import SecureAggregation, sum_error, weight_scale  # noqa: E402
-from nefl_zoo.fl.strategy import ClientInfo, Reply  # noqa: E402
+from nefl_zoo.fl.aggregation.privacy import noise_generator, private_mean  # noqa: E402
+from nefl_zoo.fl.aggregation.robust import coordinate_rule  # noqa: E402
+from nefl_zoo.fl.aggregation.secagg import SecureAggregation, sum_error
+from nefl_zoo.fl.methods.common import weight_scale  # noqa: E402
+from nefl_zoo.fl.strategy.base import ClientInfo, Reply  # noqa: E402
 from nefl_zoo.slim import SliceEntry, SliceMap  # noqa: E402
 
 from .conftest import tiny  # noqa: E402

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from nefl_zoo.fl.clock import TierCosts, VirtualClock
+from nefl_zoo.fl.devices.clock import TierCosts, VirtualClock
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.population import DevicesConfig, Population
-from nefl_zoo.fl.time_to_accuracy import default_target, time_table
+from nefl_zoo.fl.devices.population import DevicesConfig, Population
+from nefl_zoo.fl.devices.time_to_accuracy import default_target, time_table
 
 from .conftest import tiny
 

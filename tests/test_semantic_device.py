@@ -5,7 +5,7 @@ block even when the block fails (TESTING.md, "Semantic mistakes")."""
 import pytest
 import torch
 
-from nefl_zoo.fl.device import Placement, placed, placement, to_cpu
+from nefl_zoo.fl.training.device import Placement, placed, placement, to_cpu
 
 CPU = torch.device("cpu")
 

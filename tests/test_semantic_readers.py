@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nefl_zoo.fl.data import DatasetNotFoundError
-from nefl_zoo.fl.mnist import IdxFileError, read_mnist_family, read_split
+from nefl_zoo.data.loading import DatasetNotFoundError
+from nefl_zoo.data.mnist import IdxFileError, read_mnist_family, read_split
 
 N = 6
 # the EMNIST paper's splits (Cohen et al., 2017): classes, and the least and greatest label its files store
@@ -66,7 +66,7 @@ def test_the_tasks_reader_evaluates_without_augmentation_and_never_offers_a_down
     ``multidata._read`` fails here."""
     from torchvision.transforms import v2
 
-    from nefl_zoo.fl.multidata import load_sources
+    from nefl_zoo.data.multidata import load_sources
 
     for prefix in ("train", "t10k"):
         write(tmp_path / "MNIST" / "raw", prefix, range(N))

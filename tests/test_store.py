@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from nefl_zoo.files import CRASH_EXIT_CODE, DirLock, LockedError, atomic_write
-from nefl_zoo.fl import registry
+from nefl_zoo.fl.strategy import registry
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.store import CHECKPOINT_JSON, CheckpointError, RunExistsError, RunStore, read_pointer, rng_states
-from nefl_zoo.fl.registry import register_method
+from nefl_zoo.runs.store import CHECKPOINT_JSON, CheckpointError, RunExistsError, RunStore, read_pointer, rng_states
+from nefl_zoo.fl.strategy.registry import register_method
 from tests.conftest import tiny
 from tests.test_fl_strategy import Counting  # NeFL with per-client and server state
 
@@ -416,7 +416,7 @@ def small_run(folder: Path, run_json: bytes) -> dict:
     """A committed checkpoint of one tensor whose run.json holds ``run_json``; its pointer."""
     from safetensors.torch import save
 
-    from nefl_zoo.fl.checkpoint import sha256
+    from nefl_zoo.runs.checkpoint import sha256
 
     folder.mkdir(exist_ok=True)
     blobs = {"global.safetensors": save({"w": torch.zeros(2)}), "run.json": run_json}
@@ -430,7 +430,7 @@ def small_run(folder: Path, run_json: bytes) -> dict:
 
 
 def read_or_one_line(folder: Path) -> None:
-    from nefl_zoo.fl.checkpoint import read_checkpoint
+    from nefl_zoo.runs.checkpoint import read_checkpoint
 
     try:
         read_checkpoint(folder, {"w": torch.zeros(2)}, rounds=5)
@@ -448,7 +448,7 @@ def test_any_checkpoint_json_is_read_or_refused_in_one_line(tmp_path, edit):
     kind, value = edit
     pointer = small_run(tmp_path / "run", json.dumps({"rng": rng_states(), "metrics": [{"round": 1}]}).encode())
     path = tmp_path / "run" / CHECKPOINT_JSON
-    from nefl_zoo.fl.checkpoint import read_checkpoint
+    from nefl_zoo.runs.checkpoint import read_checkpoint
 
     assert read_checkpoint(tmp_path / "run")[0].round == 1  # unedited, it reads
     if kind == "bytes":

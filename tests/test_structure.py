@@ -56,8 +56,12 @@ def test_the_table_declares_every_part_lowest_first_with_its_job():
     assert {"models", "spec", "slim", "nesting", "runtime", "fl", "export"} <= set(names)
     assert all(part.job and "\n" not in part.job for part in layout.parts.values())
     assert "nefl_zoo.nesting" not in layout.parts["models"].imports  # the registry is told its sources
-    assert layout.part_of("nefl_zoo.fl.methods.fedlps.method") == "fl" and layout.part_of("nefl_zoo_cli.zoo") == "cli"
+    assert layout.part_of("nefl_zoo.fl.methods.fedlps.method") == "fl.methods" and layout.part_of("nefl_zoo_cli.zoo") == "cli"
+    assert layout.part_of("nefl_zoo.fl.engine") == "fl" and layout.part_of("nefl_zoo.data.loading") == "data"
     assert layout.part_of("nefl_zoo") == "nefl_zoo" and layout.part_of("nefl_zoo.nope") is None
+    # data and the run directory lie below both training and export: exporting imports no part of fl
+    assert names.index("data") < names.index("fl.strategy") and names.index("runs") < names.index("fl")
+    assert not [p for p in layout.parts["export"].imports if p == "fl" or p.startswith("fl.")]
 
 
 def test_a_subpackage_can_be_a_part_of_its_own():
@@ -72,9 +76,9 @@ def test_a_subpackage_can_be_a_part_of_its_own():
 
 def test_the_graph_holds_relative_and_function_level_imports():
     graph = structure.import_graph()
-    assert "nefl_zoo.fl.registry" in graph["nefl_zoo.fl.methods.nefl"]
+    assert "nefl_zoo.fl.strategy.registry" in graph["nefl_zoo.fl.methods.nefl"]
     assert "nefl_zoo.fl.methods.fedlps.costs" in graph["nefl_zoo.fl.methods.fedlps.method"]  # inside a function
-    assert "nefl_zoo.fl.strategy_utils" in graph["nefl_zoo.fl.methods.heterofl"]  # from ..strategy_utils import
+    assert "nefl_zoo.fl.methods.common" in graph["nefl_zoo.fl.methods.heterofl"]  # from ..common import
     assert "nefl_zoo.plugins" in graph["nefl_zoo.models.registry"]  # from .. import plugins: the module
     assert {"nefl_zoo_cli.zoo", "nefl_zoo_cli.errors"} <= set(graph["nefl_zoo_cli.app"])  # the CLI too
     assert structure.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
@@ -82,12 +86,14 @@ def test_the_graph_holds_relative_and_function_level_imports():
 
 
 def test_method_files_import_only_shared_modules():
-    """A method module never imports another method's module (its subpackage's own modules aside)."""
+    """A method module never imports another method's module (its subpackage's own modules and
+    the modules the methods share, ``common`` and ``feddyn``, aside)."""
     methods = "nefl_zoo.fl.methods."
+    shared = {methods + "common", methods + "feddyn"}
     for name, targets in structure.import_graph().items():
         if name.startswith(methods):
             own = methods + name[len(methods):].split(".")[0]
-            others = [t for t in targets if t.startswith(methods) and t != own and not t.startswith(own + ".")]
+            others = [t for t in targets if t.startswith(methods) and t != own and not t.startswith(own + ".") and t not in shared]
             assert not others, (name, others)
 
 
@@ -116,13 +122,13 @@ def test_the_architecture_figure_is_drawn_from_the_declared_table():
 
 # ---- tests of the test: each fault planted in a copy --------------------------------------------
 def test_a_planted_climbing_import_fails(tree):
-    """``datasets`` (a bottom layer) importing ``profile`` inside a function: one finding, naming
+    """``data`` (a bottom layer) importing ``profile`` inside a function: one finding, naming
     the file and line, the parts, and where the layers are declared."""
     assert structure.findings(tree) == []
-    line = plant(tree / "nefl_zoo" / "datasets.py", "\n\ndef _late():\n    from . import profile\n\n    return profile\n")
+    line = plant(tree / "nefl_zoo" / "data" / "datasets.py", "\n\ndef _late():\n    from .. import profile\n\n    return profile\n")
     assert structure.findings(tree) == [
-        f"nefl_zoo/datasets.py:{line + 3}: nefl_zoo.datasets imports nefl_zoo.profile: part 'datasets' may import "
-        f"nothing, not 'profile' (a lower layer never imports a higher one; the layers are {TABLE})"]
+        f"nefl_zoo/data/datasets.py:{line + 3}: nefl_zoo.data.datasets imports nefl_zoo.profile: part 'data' may import "
+        f"userfiles, not 'profile' (a lower layer never imports a higher one; the layers are {TABLE})"]
 
 
 def test_a_planted_import_cycle_fails(tree):

@@ -26,9 +26,9 @@ from nefl_zoo import files
 from nefl_zoo.export import ExportOptions, ExportSource, export_tiers
 from nefl_zoo.export import fp32 as export_fp32_module
 from nefl_zoo.files import WriteError
-from nefl_zoo.fl import store
+from nefl_zoo.runs import store
 from nefl_zoo.fl.engine import Engine
-from nefl_zoo.fl.store import read_pointer
+from nefl_zoo.runs.store import read_pointer
 from nefl_zoo.manifest import file_sha256, load_manifest
 from nefl_zoo.slim import compile_spec
 from nefl_zoo.spec import parse_spec

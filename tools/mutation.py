@@ -12,9 +12,9 @@ keeps one set of results, reset whenever the test selection changes, so the scor
 surviving mutants of each module are printed right after its run::
 
     python tools/mutation.py                          # every module
-    python tools/mutation.py nefl_zoo.fl.aggregate    # one module
+    python tools/mutation.py nefl_zoo.fl.aggregation.nefedavg    # one module
     python tools/mutation.py nefl_zoo.runtime.tiers MUTANT...   # only these mutants of it, again
-    python tools/mutation.py --sample 120 nefl_zoo.fl.batched   # 120 of its mutants, drawn with seed 0
+    python tools/mutation.py --sample 120 nefl_zoo.fl.training.parallel   # 120 of its mutants, drawn with seed 0
     python tools/mutation.py --children 2 nefl_zoo.nesting.ids     # two mutants at once (one per core)
 
 ``--sample N [--seed S]`` scores a module whose full run would not fit in a session: N of its

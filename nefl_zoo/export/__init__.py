@@ -27,7 +27,7 @@ One job per module:
     mobile      an export's nested models in onnxruntime's ORT format (``convert-ort``)
 """
 
-from ..datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
+from ..data.datasets import CIFAR10_CLASSES, CLASS_NAMES, NORMALIZATION
 from ..runtime.latency import machine_description
 from .mobile import convert_to_ort
 from .onnx_file import (

@@ -45,8 +45,8 @@ def load_run_images(data: dict, input_size: Sequence[int], train_images: int, se
     """``train_images`` training images (a seeded random subset, without augmentation) and
     the whole test split of the run whose ``data`` config section is given, loaded by the
     training data module; ``ValueError``/``FileNotFoundError`` when they cannot be loaded."""
-    from ..fl.data import load_data
-    from ..fl.settings import DataConfig
+    from ..data.loading import load_data
+    from ..data.config import DataConfig
 
     config = DataConfig.model_validate({**data, "augment": False, "partition": "iid", "local_split": None})
     loaded = load_data(config, Path(config.root), tuple(input_size), 1, seed)

@@ -14,7 +14,7 @@ A run directory holds::
 
 A run written by ``nefl-zoo train`` also holds ``checkpoint.json``, its commit point: then the
 global state, the accuracy and the dataset come from the committed checkpoint it names (every
-hash verified; see nefl_zoo.fl.store), and spec.yaml must be the one trained.
+hash verified; see nefl_zoo.runs.store), and spec.yaml must be the one trained.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from ..datasets import NORMALIZATION
+from ..data.datasets import NORMALIZATION
 from ..slim import CompiledSpec, compile_spec
 from ..spec import SpecError, SubmodelSpec, load_spec, parse_spec, resolve_spec_path
 from ..userfiles import read_yaml
@@ -114,7 +114,7 @@ def load_run_dir(path: Path) -> ExportSource:
         ValueError: a file that fails its hash, a state that does not fit the spec, or a
             run another process is writing.
     """
-    from ..fl.store import CHECKPOINT_JSON, RunStore
+    from ..runs.store import CHECKPOINT_JSON, RunStore
 
     store = RunStore(path, [])
     store.open(shared=True)
@@ -127,7 +127,7 @@ def load_run_dir(path: Path) -> ExportSource:
 
 
 def _committed_run(path: Path, store) -> ExportSource:
-    from ..fl.store import CHECKPOINT_JSON
+    from ..runs.store import CHECKPOINT_JSON
     from ..userfiles import parse_yaml
 
     checkpoint = store.read_checkpoint()

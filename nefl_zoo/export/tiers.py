@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from ..version import __version__
-from ..datasets import CLASS_NAMES, normalization as dataset_normalization
+from ..data.datasets import CLASS_NAMES, normalization as dataset_normalization
 from ..manifest import SCHEMA_VERSION, InputSpec, Machine, Manifest, Normalization, OutputSpec, TierEntry
 from ..profile import TierProfile, check_batch_fits, profile_tiers
 from ..runtime.latency import machine_description

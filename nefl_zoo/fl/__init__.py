@@ -1,17 +1,21 @@
-"""Nested federated training: config, data, the strategy interface, methods and engines.
+"""Nested federated training: the run config, the engines and the methods, in parts.
 
-Every method is a :class:`Strategy` (Flower-shaped hooks, registered by name in
-:mod:`.registry`; shared pieces in :mod:`.strategy_utils`); client training
-(:func:`fit`) and server aggregation (:func:`nefedavg`) are plain functions; :class:`Engine`
-runs the hooks in-process and a :class:`~.store.RunStore` owns the run directory.
+Lowest first: :mod:`.aggregation` (NeFedAvg, :func:`nefedavg`, and the rules of the
+``aggregation:`` section), :mod:`.strategy` (what a method is: the Flower-shaped
+:class:`Strategy` hooks, the registry), :mod:`.training` (a client's local training,
+:func:`fit`), :mod:`.devices` (clients as devices, the virtual clock), :mod:`.methods` (the
+built-in methods and the pieces they share); then :mod:`.config` (:class:`RunConfig`),
+:mod:`.engine` (:class:`Engine` runs the hooks in-process) and :mod:`.compare`. The engine on
+Flower is :mod:`.flower`; the data is :mod:`nefl_zoo.data`, the run directory
+:mod:`nefl_zoo.runs`.
 """
 
-from .aggregate import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
-from .client import ClientResult, evaluate, fit, learning_rate
+from .aggregation.nefedavg import Sums, Update, accumulate, check_update, nefedavg, weighted_mean
 from .config import ConfigError, RunConfig, load_config, parse_config
 from .engine import Engine, RunResult, train
-from .registry import get_method, register_method, registered_methods
-from .strategy import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, Strategy
+from .strategy.base import ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, Strategy
+from .strategy.registry import get_method, register_method, registered_methods
+from .training.client import ClientResult, evaluate, fit, learning_rate
 
 __all__ = [
     "ClientInfo", "ClientResult", "ConfigError", "Engine", "Instruction", "MethodInfo", "MethodSettings", "Reply", "Run", "RunConfig",

@@ -17,10 +17,11 @@ from typing import Callable
 
 import numpy as np
 
-from .bn import BN_TREATMENTS
 from .config import RunConfig, apply_overrides, parse_config
+from .devices.report import devices_report
 from .engine import Engine, RunObserver, RunResult
-from .registry import get_method
+from .strategy.registry import get_method
+from .training.bn import BN_TREATMENTS
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ _SIZES: dict[tuple, list[int]] = {}
 def client_sizes(config: RunConfig, input_size: tuple[int, int, int]) -> list[int]:
     """Training samples of every client of ``config`` (its partition for its seed; the same for
     every method, so read once per data section, client count and seed)."""
-    from .data import load_data
+    from ..data.loading import load_data
 
     devices = config.devices if config.data.partition == "devices" else None  # the device classes shape the data
     key = (config.data.model_dump_json(), str(devices), str(config.data_root()), input_size, config.clients.num_clients, config.seed)
@@ -387,11 +388,10 @@ def report(config: RunConfig, entries: list[Entry], runs: dict[str, list[RunResu
     macs = {e.key: client_round_macs(config, e, seeds, out) for e in entries}
     markdown = results_table(config, entries, runs, macs)
     if config.devices is not None:  # time to accuracy on the simulated clock; what each device class gets
-        from .device_report import devices_report
-
         treatment = treatments(runs)[0]
         points = {e.key: [worst_points(out / e.key / f"seed{s}", r, treatment) for s, r in zip(seeds, runs[e.key])] for e in entries}
-        markdown += devices_report(config, {e.key: e.label for e in entries}, seeds, points, treatment, out, plot, target)
+        markdown += devices_report(f"{config.submodel_spec().model} on {config.data.dataset}", {e.key: e.label for e in entries},
+                                   seeds, points, treatment, out, plot, target)
     results_md, figure = out / "results.md", out / "comparison.png"
     results_md.write_text(f"# {config.name}: method comparison\n\n{markdown}\n" + (f"![accuracy vs MACs and vs round]({figure.name})\n" if plot else ""))
     (out / "results.json").write_text(json.dumps({k: [asdict(r) for r in rs] for k, rs in runs.items()}, indent=2))

@@ -2,31 +2,54 @@
 
 A config names the method and its own settings (``method_args``, validated by the method's
 settings model from the registry), the submodel spec (a file path or an inline mapping), the
-data and its partition, the client environment, local training and evaluation (the shared
-sections of :mod:`.settings`). Every problem is raised as a one-line :class:`ConfigError`
+data and its partition (:mod:`nefl_zoo.data.config`), the client environment
+(:class:`ClientsConfig`), local training and evaluation (:mod:`.strategy.sections`). Every problem is raised as a one-line :class:`ConfigError`
 ``FILE: FIELD: message``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..data.config import DataConfig
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec, shipped_specs_dir
-from ..userfiles import field_error, format_validation_error, parse_yaml, read_yaml
-from .aggregation import AggregationConfig
-from .population import DevicesConfig, read_trace
-from .settings import ClientsConfig, DataConfig, EvalConfig, Strict, TrainConfig
-from .secagg import SecureAggregation
-from .registry import get_method, parse_settings, registered_methods
-from .strategy import Run, Strategy
+from ..userfiles import Strict, field_error, format_validation_error, parse_yaml, read_yaml
+from .aggregation.rules import AggregationConfig
+from .aggregation.secagg import SecureAggregation
+from .devices.population import DevicesConfig, read_trace
+from .strategy.base import Run, Strategy
+from .strategy.registry import get_method, parse_settings, registered_methods
+from .strategy.sections import EvalConfig, TrainConfig
 
 if TYPE_CHECKING:
-    from .device import Placement
+    from .training.device import Placement
 
 MAX_SEED = 2**32 - 1  # what every RNG seeded from it (Python, NumPy, torch) takes
+
+
+class ClientsConfig(Strict):
+    """Client population and the environment that decides which submodels a client may train.
+
+    ``environment: dynamic`` is the paper's: as many equal client groups as submodels, group i
+    picking each round at random among submodels i-2..i+2 (with 5 submodels: tier 1 from
+    {1,2,3}, ..., tier 5 from {3,4,5}). ``fixed``: group i always trains submodel i.
+    ``groups`` (a list of lists of tier names) replaces both with explicit equal-size groups.
+    """
+
+    num_clients: int = Field(100, ge=1, le=1_000_000)
+    fraction: float = Field(0.1, gt=0, le=1, description="share of clients sampled per round")
+    environment: Literal["dynamic", "fixed"] = "dynamic"
+    groups: list[list[str]] | None = Field(None, description="explicit allowed tiers per client group")
+
+    @field_validator("groups")
+    @classmethod
+    def _non_empty(cls, v: list[list[str]] | None) -> list[list[str]] | None:
+        if v is not None and (not v or any(not g for g in v)):
+            raise ValueError("every group needs at least one tier name")
+        return v
 
 
 class ConfigError(SpecError):
@@ -163,7 +186,7 @@ class RunConfig(Strict):
         Raises:
             ConfigError: the device is absent, in one line.
         """
-        from .device import DeviceError, Placement
+        from .training.device import DeviceError, Placement
 
         try:
             return Placement.of(self.train)

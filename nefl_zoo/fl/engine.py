@@ -5,7 +5,7 @@ instructions, :meth:`~nefl_zoo.fl.strategy.Strategy.train` runs on each client's
 its persistent client state), :meth:`~nefl_zoo.fl.strategy.Strategy.aggregate_train` merges
 the replies, and every ``eval.every`` rounds :meth:`~nefl_zoo.fl.strategy.Strategy.evaluate`
 scores the global state. Files, checkpoints and RNG state belong to the
-:class:`~nefl_zoo.fl.store.RunStore`; progress display belongs to the caller (an observer).
+:class:`~nefl_zoo.runs.store.RunStore`; progress display belongs to the caller (an observer).
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .batched import train_clients
-from .client import learning_rate
-from .clock import TierCosts, VirtualClock
+from ..data.device_partition import PartitionError
+from ..data.loading import FederatedData, load_data
+from ..runs.store import Checkpoint, RunExistsError, RunStore, saved_config
 from .config import ConfigError, RunConfig, parse_config
-from .data import FederatedData, load_data
-from .device_classes import DeviceClasses
-from .device_data import PartitionError
-from .device import Placement, placed
-from .store import Checkpoint, RunExistsError, RunStore, saved_config
-from .strategy import Aggregate, ClientInfo, Instruction, Reply, Strategy
+from .devices.classes import DeviceClasses
+from .devices.clock import TierCosts, VirtualClock
+from .strategy.base import Aggregate, ClientInfo, Instruction, Reply, Strategy
+from .training.client import learning_rate
+from .training.device import Placement, placed
+from .training.parallel import train_clients
 
 __all__ = ["Engine", "RunExistsError", "RunObserver", "RunResult", "client_groups", "resume_config", "train"]
 
 
 def client_groups(config: RunConfig, levels: list[str]) -> list[list[str]]:
-    """Allowed resource levels per client group (see :class:`~nefl_zoo.fl.settings.ClientsConfig`)."""
+    """Allowed resource levels per client group (see :class:`~nefl_zoo.fl.config.ClientsConfig`)."""
     if config.clients.groups is not None:
         return [list(g) for g in config.clients.groups]
     if config.clients.environment == "fixed":
@@ -119,12 +119,12 @@ class Engine:
                 f"{config.data.dataset} has {self.data.num_classes} classes but the model outputs "
                 f"{info.num_classes} (set spec model_args.num_classes)"
             )
-        #: simulated time of the clients' devices (``devices:``, :mod:`.clock`); none: rounds without time
+        #: simulated time of the clients' devices (``devices:``, :mod:`.devices.clock`); none: rounds without time
         self.clock: VirtualClock | None = None
         if config.devices is not None:
             samples = [config.train.local_epochs * len(p) for p in self.data.partitions]
             self.clock = VirtualClock(config.devices, TierCosts.of(self.strategy, config.train.batch_size), samples, config.seed)
-        #: what each device class gets (``eval.device_classes``, :mod:`.device_classes`)
+        #: what each device class gets (``eval.device_classes``, :mod:`.devices.classes`)
         self.device_classes: DeviceClasses | None = None
         if config.eval.device_classes:
             try:
@@ -220,7 +220,7 @@ class Engine:
 
         Returns:
             ``device_accuracy``, ``worst_device_class`` and ``device_class_spread`` of the global
-            state (:meth:`~.device_classes.DeviceClasses.evaluate`); empty without
+            state (:meth:`~.devices.classes.DeviceClasses.evaluate`); empty without
             ``eval.device_classes``.
         """
         if self.device_classes is None:
@@ -232,7 +232,7 @@ class Engine:
     def available_clients(self) -> list[ClientInfo]:
         """The clients that can be reached now (in process: every configured client; with
         ``devices:``, those online at the simulated time, with the levels that fit them this
-        round, :meth:`~.clock.VirtualClock.available`).
+        round, :meth:`~.devices.clock.VirtualClock.available`).
 
         Returns:
             The clients, with the levels each may train.
@@ -244,7 +244,7 @@ class Engine:
         ``kind`` ``"train"`` runs :meth:`~Strategy.train` (with the client's persistent state),
         ``"evaluate"`` runs :meth:`~Strategy.evaluate_client` on the client's own test split.
         With ``train.parallel_clients`` > 1, clients that can train together do
-        (:func:`~nefl_zoo.fl.batched.train_clients`).
+        (:func:`~nefl_zoo.fl.training.parallel.train_clients`).
 
         Args:
             kind: ``train`` or ``evaluate``.

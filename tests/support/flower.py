@@ -27,9 +27,9 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 
 from nefl_zoo.fl.flower.client import app as client_app
-from nefl_zoo.fl.registry import registered_methods
-from nefl_zoo.fl.secagg import SecureAggregation
-from nefl_zoo.fl.strategy import ClientInfo
+from nefl_zoo.fl.strategy.registry import registered_methods
+from nefl_zoo.fl.aggregation.secagg import SecureAggregation
+from nefl_zoo.fl.strategy.base import ClientInfo
 
 from ..conftest import contract_config, contract_run, set_server_identity
 

@@ -8,7 +8,7 @@ metrics, checkpoints, per-client state and resume). ``client.app`` is the ``Clie
 on Flower's simulation engine (``nefl-zoo train --engine flower``).
 """
 
-from .engine import FlowerEngine
+from .flower_engine import FlowerEngine
 from .nodes import NodeRegistry
 from .server import SimulatedRun, server_app, simulate, simulate_runs
 

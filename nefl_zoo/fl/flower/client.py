@@ -16,7 +16,7 @@ Optional ``node_config`` keys: ``data-root`` (the config's ``data.root`` on this
 ``device`` (the config's ``train.device`` on this node, e.g. ``cpu`` on a node without the
 server's GPU) and ``threads`` (torch CPU threads; results are bit-identical to the embedded
 engine's only with the same thread count and device). The hooks compute on the run's
-``train.device`` and ``train.precision`` (:mod:`~nefl_zoo.fl.device`). The method and its data
+``train.device`` and ``train.precision`` (:mod:`~nefl_zoo.fl.training.device`). The method and its data
 are built once per process and configuration, when the setup message arrives: in a long-running
 ClientApp process (the simulation's actors, ``nefl-zoo clientapp``) rounds find them ready.
 """
@@ -32,10 +32,10 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from ...data.loading import FederatedData, load_data
 from ..config import parse_config
-from ..data import FederatedData, load_data
-from ..device import Placement, placed
-from ..strategy import Strategy
+from ..strategy.base import Strategy
+from ..training.device import Placement, placed
 from .nodes import NODE, NODE_KEYS, SETUP
 from .records import read_instruction, reply_content
 from .secure import SECURE, secure_content, secure_mod

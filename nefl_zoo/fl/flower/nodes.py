@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from ...bounds import MAX_POLL_S, MAX_TIMEOUT_S, number
-from ..strategy import ClientInfo
+from ..strategy.base import ClientInfo
 
 log = logging.getLogger(__name__)
 

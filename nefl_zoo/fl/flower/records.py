@@ -27,7 +27,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ...runtime.arrays import ArrayFileError, parse_header
-from ..strategy import Instruction, Reply, State
+from ..strategy.base import Instruction, Reply, State
 
 SCALARS, CLIENT, RUN = "nefl.fields", "nefl.client", "nefl.run"  # record names beside the fields'
 PACKED, STYPE, ORDER = "tensors", "nefl.safetensors", "nefl.order"  # the one array of a tensor record

@@ -1,12 +1,12 @@
 """Secure aggregation on Flower: Flower's SecAgg+ (``SecAggPlusWorkflow`` on the server,
 ``secaggplus_mod`` on the ClientApp) sums each round's client vectors
-(:class:`~nefl_zoo.fl.secagg.Layout`: a client's update scattered into the global shapes, with
+(:class:`~nefl_zoo.fl.aggregation.secagg.Layout`: a client's update scattered into the global shapes, with
 its per-element weights), so the server learns only the sums it averages.
 
 SecAgg+ in Flower 1.42 runs on the legacy ``fit`` messages: in its 'collect masked vectors'
 stage a node trains, puts its vector in a ``FitRes``, and the mod replaces it with the masked,
 quantised vector. :class:`SecureMethod` runs that workflow for the
-:class:`~nefl_zoo.fl.flower.engine.FlowerEngine`: its train messages are our instructions (each
+:class:`~nefl_zoo.fl.flower.flower_engine.FlowerEngine`: its train messages are our instructions (each
 with the client's own submodel), and the node's reply keeps only its scalars (sample count,
 loss, level) in the clear. Nodes that fail or drop out are handled as Flower handles them: their
 masks are removed with the other nodes' key shares while at least ``reconstruction_threshold``
@@ -34,12 +34,12 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 
-from ..aggregate import weighted_mean
+from ..aggregation.nefedavg import weighted_mean
+from ..aggregation.secagg import Layout, SecureAggregation, sum_error
 from ..config import ConfigError, RunConfig
-from ..registry import get_method, registered_methods
-from ..secagg import Layout, SecureAggregation, sum_error
-from ..strategy import Aggregate, Instruction, Reply, Strategy
-from ..strategy_utils import Nested, reply_weight
+from ..methods.common import Nested, reply_weight
+from ..strategy.base import Aggregate, Instruction, Reply, Strategy
+from ..strategy.registry import get_method, registered_methods
 from .nodes import collect
 from .records import error_reply, read_reply, reply_content
 
@@ -52,7 +52,7 @@ CLIPPED = "secagg_clipped"  # reply metric: elements of the client's vector beyo
 
 @functools.lru_cache(maxsize=2)
 def layout_of(strategy: Strategy) -> Layout:
-    """The method's :class:`~nefl_zoo.fl.secagg.Layout` (its global shapes from an initial
+    """The method's :class:`~nefl_zoo.fl.aggregation.secagg.Layout` (its global shapes from an initial
     state made without touching torch's RNG)."""
     with torch.random.fork_rng(devices=[]):
         return Layout(strategy, strategy.init_global_state())
@@ -201,13 +201,13 @@ class _Watched:
 class SecureMethod:
     """A method whose train updates are summed by SecAgg+: :meth:`exchange` runs a round's
     protocol, :meth:`aggregate_train` finishes the method's NeFedAvg from the sum
-    (:meth:`~nefl_zoo.fl.secagg.Layout.sums`, :func:`~nefl_zoo.fl.aggregate.weighted_mean`);
+    (:meth:`~nefl_zoo.fl.aggregation.secagg.Layout.sums`, :func:`~nefl_zoo.fl.aggregation.nefedavg.weighted_mean`);
     every other attribute is the method's.
 
     Args:
         strategy: a method :func:`check_secure` accepts.
         settings: the run's ``secure_aggregation``.
-        scale: what clients multiply their weights by (:func:`~nefl_zoo.fl.secagg.weight_scale`).
+        scale: what clients multiply their weights by (:func:`~nefl_zoo.fl.methods.common.weight_scale`).
     """
 
     def __init__(self, strategy: Strategy, settings: SecureAggregation, scale: float, *, timeout: float, poll: float,

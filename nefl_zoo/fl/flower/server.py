@@ -1,7 +1,7 @@
 """Flower ``ServerApp``\\ s: the simulation behind ``nefl-zoo train --engine flower`` and the
 deployment app that ``flwr run`` submits to a SuperLink.
 
-Both run a :class:`~nefl_zoo.fl.flower.engine.FlowerEngine`, so a Flower run writes the same
+Both run a :class:`~nefl_zoo.fl.flower.flower_engine.FlowerEngine`, so a Flower run writes the same
 run directory as the embedded engine and resumes the same way.
 """
 
@@ -19,10 +19,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from ...bounds import MAX_THREADS, MAX_TIMEOUT_S, number
 from ..config import RunConfig, apply_overrides, load_config, parse_config
-from ..device import gpu_share
 from ..engine import RunObserver, RunResult, resume_config
+from ..training.device import gpu_share
 from .client import app as client_app
-from .engine import FlowerEngine, check_flower_config
+from .flower_engine import FlowerEngine, check_flower_config
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def simulate_runs(runs: Sequence[SimulatedRun], *, threads: int | None = None, c
 
     Each client gets ``threads`` CPUs (default: torch's thread count here) of ``cpus`` (default:
     every core of this process), so ``cpus // threads`` clients train in parallel; where
-    ``train.device`` is CUDA they share the GPUs (:func:`~nefl_zoo.fl.device.gpu_share`; Ray then shows each client
+    ``train.device`` is CUDA they share the GPUs (:func:`~nefl_zoo.fl.training.device.gpu_share`; Ray then shows each client
     its share as ``cuda``, so give ``cuda`` or ``auto``, not ``cuda:N``). All runs must have the
     same ``clients.num_clients``. Flower's and Ray's logs are shown only when ``verbose``.
     """

@@ -6,7 +6,7 @@ full model (block granularity, in stage order) whose parameter ratio is nearest 
 stage the prefix does not reach, to the last stage's channels and resolution) and a linear
 classifier, stored in the global state as ``exits.{i}.*`` (``i``: the submodel's position). A
 client trains every exit up to its submodel with cross-entropy plus mutual self-distillation whose
-weight ramps up as ``exp(-5 (1 - t/R)^2)``, and with FedDyn's regulariser (:mod:`..feddyn`); BN
+weight ramps up as ``exp(-5 (1 - t/R)^2)``, and with FedDyn's regulariser (:mod:`.feddyn`); BN
 and every tensor are shared (averaged over the clients holding them, 1 each).
 
 ``nefl`` (the NeFL paper's baseline, its footnote on depthwise scaling and the authors' code):
@@ -29,11 +29,11 @@ from torch import nn
 
 from ...slim import CompiledSpec, SliceEntry, SliceMap, compile_spec
 from ...spec import SubmodelSpec, TierSpec, stage_depths
-from ..feddyn import FedDynLocal, client_update, server_update
-from ..local import LocalModel, load_entries
-from ..registry import register_method
-from ..strategy import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
-from ..strategy_utils import Nested, fit_reply, level_sizes, module_macs, require_parts
+from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodSettings, Reply, Run, State
+from ..strategy.local_model import LocalModel, load_entries
+from ..strategy.registry import register_method
+from .common import Nested, fit_reply, level_sizes, module_macs, require_parts
+from .feddyn import FedDynLocal, client_update, server_update
 
 EXIT_PREFIX = "exits"
 ENSEMBLE = "ensemble"
@@ -367,7 +367,7 @@ class DepthFL(Nested):
         return super().configure_train(server_round, global_state, clients)
 
     def aggregate_train(self, server_round: int, global_state, replies: Mapping[int, Reply]) -> Aggregate:
-        """The average (1 per client); with FedDyn, moved by the server's ``h`` (:func:`~..feddyn.server_update`)."""
+        """The average (1 per client); with FedDyn, moved by the server's ``h`` (:func:`~.feddyn.server_update`)."""
         result = super().aggregate_train(server_round, global_state, replies)
         if self.settings.variant == "nefl" or not self.settings.dynamic:
             return result

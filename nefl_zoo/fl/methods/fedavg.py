@@ -7,9 +7,9 @@ constants, and they are neither in the global state nor sent.
 from __future__ import annotations
 
 from ...slim import compile_spec
-from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, level_sizes, single_model
+from ..strategy.base import MethodSettings, Run
+from ..strategy.registry import register_method
+from .common import Nested, level_sizes, single_model
 
 
 @register_method("fedavg", label="FedAvg (full model)")

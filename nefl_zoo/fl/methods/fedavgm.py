@@ -8,9 +8,9 @@ import torch
 from pydantic import Field
 
 from ...slim import split_tier_key
-from ..registry import register_method
-from ..strategy import Aggregate, MethodSettings, Reply, Run, State
-from ..strategy_utils import Nested, single_model
+from ..strategy.base import Aggregate, MethodSettings, Reply, Run, State
+from ..strategy.registry import register_method
+from .common import Nested, single_model
 
 
 class FedAvgMSettings(MethodSettings):

@@ -25,13 +25,13 @@ from pydantic import Field
 from torch import nn
 
 from ...slim import CompiledSpec, compile_spec
-from ..batches import ordered_batches
-from ..client import evaluate, learning_rate
-from ..device import placement
-from ..local import LocalModel
-from ..registry import register_method
-from ..strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
-from ..strategy_utils import fit_reply, largest, level_sizes, mean_accuracy_per_level, require_parts, sample_clients, train_config
+from ..strategy.base import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ..strategy.local_model import LocalModel
+from ..strategy.registry import register_method
+from ..training.batches import ordered_batches
+from ..training.client import evaluate, learning_rate
+from ..training.device import placement
+from .common import fit_reply, largest, level_sizes, mean_accuracy_per_level, require_parts, sample_clients, train_config
 
 HEADER = ("header.weight", "header.bias")
 GLOBAL_HEADER = "global_header"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..local import LocalModel, SubmodelLocal
-from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested
+from ..strategy.base import MethodSettings, Run
+from ..strategy.local_model import LocalModel, SubmodelLocal
+from ..strategy.registry import register_method
+from .common import Nested
 
 
 class FedProxSettings(MethodSettings):

@@ -13,15 +13,14 @@ from typing import Literal, Mapping
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
-from pydantic import Field, model_validator
-
 from ...slim import CompiledSpec, SliceEntry, compile_spec, tier_key
-from ..local import LocalModel, load_entries
-from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, largest, module_macs, width_spec
+from ..strategy.base import MethodSettings, Run
+from ..strategy.local_model import LocalModel, load_entries
+from ..strategy.registry import register_method
+from .common import Nested, largest, module_macs, width_spec
 
 
 def _positions(index) -> torch.Tensor:

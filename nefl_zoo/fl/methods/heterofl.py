@@ -7,10 +7,10 @@ import math
 from torch import nn
 
 from ...slim import compile_spec
-from ..local import SubmodelLocal
-from ..registry import register_method
-from ..strategy import MethodSettings, Run
-from ..strategy_utils import Nested, width_spec
+from ..strategy.base import MethodSettings, Run
+from ..strategy.local_model import SubmodelLocal
+from ..strategy.registry import register_method
+from .common import Nested, width_spec
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 

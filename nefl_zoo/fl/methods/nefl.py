@@ -3,8 +3,8 @@ NeFedAvg."""
 
 from __future__ import annotations
 
-from ..registry import register_method
-from ..strategy_utils import Nested
+from ..strategy.registry import register_method
+from .common import Nested
 
 
 @register_method("nefl", label="NeFL")

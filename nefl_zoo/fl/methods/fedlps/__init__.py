@@ -21,7 +21,7 @@ client whose encoder is not the server's is rejected). What counts as a layer is
 
 **Tasks** (:mod:`.tasks`) are disjoint groups of the dataset's labels covering them all, so
 every image belongs to one task: the digits split into 0-4 and 5-9, or several datasets read
-from folders as one (``data.dataset: tasks``, :mod:`nefl_zoo.fl.multidata`). Each image goes to
+from folders as one (``data.dataset: tasks``, :mod:`nefl_zoo.data.multidata`). Each image goes to
 its task's predictor; a predictor's loss is the mean cross-entropy of its task's images in the
 batch.
 

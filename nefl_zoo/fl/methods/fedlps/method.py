@@ -16,11 +16,11 @@ from torch import nn
 from ....models import create_model
 from ....models.base import NestedNet
 from ....slim import SliceMap, compile_spec
-from ...aggregate import Update, check_update
-from ...bn import recompute_batches
-from ...registry import register_method
-from ...strategy import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
-from ...strategy_utils import evaluate_treatments, fit_reply, largest, level_sizes, require_parts, sample_clients, train_config
+from ...aggregation.nefedavg import Update, check_update
+from ...strategy.base import Aggregate, ClientInfo, Instruction, MethodInfo, MethodSettings, Reply, Run, State, Strategy
+from ...strategy.registry import register_method
+from ...training.bn import recompute_batches
+from ..common import evaluate_treatments, fit_reply, largest, level_sizes, require_parts, sample_clients, train_config
 from .networks import Encoder, MultiTask, Predictor, evaluate_tasks, load_backbone, norm_modules, with_task_bn
 from .pretrain import NO_PUBLIC, fingerprint, pretrain_for_run
 from .pruning import Masks, Pruning

@@ -13,10 +13,10 @@ from torch import nn
 from ....models import create_model, load_pretrained
 from ....models.base import NestedNet
 from ....spec import SubmodelSpec
-from ...batches import ordered_batches
-from ...bn import recompute_bn
-from ...device import placement
-from ...local import LocalModel
+from ...strategy.local_model import LocalModel
+from ...training.batches import ordered_batches
+from ...training.bn import recompute_bn
+from ...training.device import placement
 from .tasks import TaskSet
 
 
@@ -136,7 +136,7 @@ class MultiTask(LocalModel):
 
 def with_task_bn(model: MultiTask, treatment: str, batches) -> MultiTask:
     """``model`` in eval mode; ``recompute``: every predictor's BN statistics recomputed on its
-    own task's images in ``batches`` (:func:`~nefl_zoo.fl.bn.recompute_bn`)."""
+    own task's images in ``batches`` (:func:`~nefl_zoo.fl.training.bn.recompute_bn`)."""
     if treatment == "recompute":
         batches = list(batches)
         for task, predictor in model.predictors.items():

@@ -34,10 +34,10 @@ NO_PUBLIC = ("fedlps: method_args.pretrained: public pre-trains the encoder on t
 
 
 def held_out(data_cfg, root: str | Path, input_size: tuple[int, int, int], num_clients: int, seed: int):
-    """The run's data (:func:`~nefl_zoo.fl.data.load_data`) and its public split as a dataset
+    """The run's data (:func:`~nefl_zoo.data.loading.load_data`) and its public split as a dataset
     (training augmentation); ``ValueError`` without a public split. The split is taken before
     partitioning, so it does not depend on ``num_clients`` or the partition."""
-    from ...data import load_data
+    from ....data.loading import load_data
 
     if not data_cfg.public_fraction:
         raise ValueError(NO_PUBLIC)
@@ -48,7 +48,7 @@ def held_out(data_cfg, root: str | Path, input_size: tuple[int, int, int], num_c
 def public_data(config):
     """The run's data (partitioned as the engine does), its public split as a dataset (training
     augmentation) and the backbone's (model, arguments); ``ValueError`` without a public split."""
-    from ...registry import parse_settings
+    from ...strategy.registry import parse_settings
 
     spec = config.submodel_spec()
     settings = parse_settings(config.method, config.method_args)
@@ -64,7 +64,7 @@ def pretrain(model: str, model_args: Mapping, public: Dataset, train, seed: int,
     """The backbone ``model`` (``model_args``) initialised from ``seed`` and trained ``epochs``
     epochs on ``public`` with the dataset's labels: SGD with ``lr`` (default ``train.lr``,
     constant) and ``train``'s batch size, momentum and weight decay, on ``where`` (a
-    :class:`~nefl_zoo.fl.device.Placement`), the last incomplete batch of each epoch dropped (a
+    :class:`~nefl_zoo.fl.training.device.Placement`), the last incomplete batch of each epoch dropped (a
     batch of a few images through BatchNorm can wreck the weights). Every random draw comes from
     ``seed``; the caller's RNG state is left untouched. On CUDA, cuDNN runs its deterministic
     algorithms meanwhile (a resume re-runs this; its fingerprint check refuses other weights)."""
@@ -108,8 +108,8 @@ def pretrain_for_run(run, settings, input_size: tuple[int, int, int]) -> dict[st
     split of ``run.data`` (its root resolved) with ``settings.pretrain_epochs`` and
     ``pretrain_lr`` (:func:`pretrain`; the weights :func:`pretrain_backbone` saves for the same
     configuration), as a CPU state dict. Logs the time and the test accuracy."""
-    from ...client import evaluate
-    from ...device import Placement, placed
+    from ...training.client import evaluate
+    from ...training.device import Placement, placed
 
     data_cfg = getattr(run, "data", None)  # Run.data: the run's data section, its root resolved
     if data_cfg is None:
@@ -151,8 +151,8 @@ def pretrain_backbone(config, epochs: int, out_path: str | Path, lr: float | Non
     """
     from safetensors.torch import save_file
 
-    from ...client import evaluate
-    from ...device import placed
+    from ...training.client import evaluate
+    from ...training.device import placed
 
     where = config.placement()
     data, public, backbone = public_data(config)

@@ -1,7 +1,7 @@
 """Time to accuracy: a comparison's accuracy against simulated time (runs with ``devices:``,
 :mod:`.clock`), the time each entry needs to reach a target accuracy, its table and its plot.
 
-:mod:`.device_report` gathers each run's evaluated records and their accuracy (the worst-case
+:mod:`.report` gathers each run's evaluated records and their accuracy (the worst-case
 submodel's, the full model's, the worst device class's); the curves here are per entry, per seed:
 the simulated times of the evaluations and the accuracy (%) at each.
 """

@@ -3,8 +3,8 @@
 A client's round time is its local compute, ``local_epochs x its samples x the tier's training
 MACs per image / its speed this round``, plus its transfer, ``the tier's bytes / downlink +
 the tier's bytes / uplink``. A tier's training MACs per image are 3x the forward MACs the method
-counts (:meth:`~.strategy_utils.Nested.client_macs`; backward adds about twice the forward), its
-bytes 4 per element it sends (:attr:`~.strategy.MethodInfo.numel`), its memory the weights,
+counts (:meth:`~nefl_zoo.fl.methods.common.Nested.client_macs`; backward adds about twice the forward), its
+bytes 4 per element it sends (:attr:`~nefl_zoo.fl.strategy.MethodInfo.numel`), its memory the weights,
 gradients and optimizer state (3 x its bytes) plus ``train.batch_size`` x the activations one
 image keeps for the backward pass (every leaf module's output).
 
@@ -24,9 +24,9 @@ from typing import Mapping, Sequence
 import numpy as np
 from torch import nn
 
-from ..slim import compile_spec
+from ...slim import compile_spec
+from ..strategy.base import ClientInfo, Strategy
 from .population import DevicesConfig, Population
-from .strategy import ClientInfo, Strategy
 
 BYTES_PER_ELEMENT = 4  # float32
 TRAIN_MACS_FACTOR = 3  # forward + backward (about twice the forward)
@@ -35,7 +35,7 @@ TRAIN_MACS_FACTOR = 3  # forward + backward (about twice the forward)
 def activation_bytes(module: nn.Module, input_size: tuple[int, ...]) -> int:
     """Bytes of every leaf module's output on one input of ``input_size``: what a training step
     keeps per image for the backward pass."""
-    from ..profile import leaf_tensor_bytes
+    from ...profile import leaf_tensor_bytes
 
     return sum(output for _, output in leaf_tensor_bytes(module, input_size))
 
@@ -54,7 +54,7 @@ class TierCosts:
     def of(cls, strategy: Strategy, batch_size: int) -> "TierCosts":
         """The costs of every tier of the strategy's run spec, with the method's own MACs and
         sizes for the levels it trains; ``ValueError`` when it trains levels that are not tiers."""
-        from ..profile import macs_signature, tier_macs  # fvcore: imported only when counted
+        from ...profile import macs_signature, tier_macs  # fvcore: imported only when counted
 
         spec = strategy.run.spec
         compiled = compile_spec(spec)

@@ -18,7 +18,7 @@ One row per online interval, in seconds of simulated time (``start_s < end_s``);
 online in ``[start_s, end_s)`` of each of its rows and offline after its last one.
 
 A class may say what data its clients hold (``data``, used with ``data.partition: devices``,
-:mod:`.device_data`): ``samples`` images per client (quantity skew between classes), the class's
+:mod:`nefl_zoo.data.device_partition`): ``samples`` images per client (quantity skew between classes), the class's
 label mix ``labels`` (a weight per label of the dataset; none: the training set's own mix) and
 ``alpha``, each client's label proportions drawn from Dirichlet(alpha x the class mix) (none: every
 client holds the class mix)::
@@ -42,8 +42,9 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from ..userfiles import field_error
-from .settings import Strict
+from ...data.config import ClassData
+from ...data.device_partition import device_kinds
+from ...userfiles import Strict, field_error
 
 
 class Always(Strict):
@@ -65,23 +66,6 @@ class Periodic(Strict):
         if self.online_s > self.period_s:
             raise field_error("online_s", f"{self.online_s} is longer than period_s {self.period_s}")
         return self
-
-
-class ClassData(Strict):
-    """What the clients of one device class hold (``data.partition: devices``, :mod:`.device_data`)."""
-
-    samples: int = Field(ge=1, description="images per client of this class (before data.local_split holds some out)")
-    labels: list[float] | None = Field(
-        None, min_length=2, description="the class's label mix: one weight per label of the dataset (normalised); none: the training set's own mix")
-    alpha: float | None = Field(
-        None, gt=0, description="each client's label proportions drawn from Dirichlet(alpha x the class mix); none: every client the class mix")
-
-    @field_validator("labels")
-    @classmethod
-    def _weights(cls, labels: list[float] | None) -> list[float] | None:
-        if labels is not None and (min(labels) < 0 or sum(labels) <= 0):
-            raise ValueError("expected weights >= 0 with a positive sum, one per label")
-        return labels
 
 
 class DeviceClass(Strict):
@@ -144,18 +128,6 @@ def read_trace(path: str | Path, num_clients: int) -> dict[int, list[tuple[float
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
     return {cid: sorted(v) for cid, v in intervals.items()}
-
-
-def device_kinds(classes: list[DeviceClass], num_clients: int, seed: int) -> np.ndarray:
-    """The class index of every client: each class takes ``share`` of the clients (largest
-    remainders), dealt by a shuffle seeded with the run seed."""
-    counts = np.floor([c.share * num_clients for c in classes]).astype(np.int64)
-    remainders = np.array([c.share * num_clients for c in classes]) - counts
-    counts[np.argsort(-remainders, kind="stable")[: num_clients - int(counts.sum())]] += 1  # largest remainders
-    order = np.random.default_rng([seed, 1]).permutation(num_clients)
-    kind = np.empty(num_clients, dtype=np.int64)
-    kind[order] = np.repeat(np.arange(len(classes)), counts)
-    return kind
 
 
 class Population:

@@ -15,7 +15,7 @@ class LocalModel(nn.Module, abc.ABC):
 
     ``batchable``: ``loss`` is a pure function of the module's parameters, buffers and batch
     (no RNG, no tensors held outside the module), so several clients' copies may be trained
-    together with ``torch.func`` (:mod:`.batched`).
+    together with ``torch.func`` (:mod:`nefl_zoo.fl.training.parallel`).
     """
 
     batchable: ClassVar[bool] = False

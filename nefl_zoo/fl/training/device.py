@@ -63,7 +63,7 @@ class Placement:
 
     @classmethod
     def of(cls, train) -> "Placement":
-        """The placement of a :class:`~nefl_zoo.fl.settings.TrainConfig` (its device resolved)."""
+        """The placement of a :class:`~nefl_zoo.fl.strategy.sections.TrainConfig` (its device resolved)."""
         return cls(resolve_device(train.device), train.precision, train.compile, train.memory_format)
 
     def autocast(self) -> contextlib.AbstractContextManager:

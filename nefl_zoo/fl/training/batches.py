@@ -2,7 +2,7 @@
 
 :func:`shuffled_batches` gives exactly the batches of ``DataLoader(dataset, batch_size,
 shuffle=True, generator=seeded)`` epoch after epoch, augmentation drawn from torch's global RNG
-as the dataset's transform would. For in-memory images (:class:`~nefl_zoo.fl.data.TensorImages`,
+as the dataset's transform would. For in-memory images (:class:`~nefl_zoo.data.loading.TensorImages`,
 e.g. digits, or a subset of them) whose transform is none or a zero-padded square
 ``RandomCrop``, the images are kept on the device once and each batch is gathered and cropped
 there as one tensor operation, with the same shuffling and the same crop offsets drawn in the
@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .data import TensorImages
+from ...data.loading import TensorImages
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

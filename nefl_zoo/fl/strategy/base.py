@@ -9,7 +9,7 @@ under Flower the same engine with Flower as its transport). Its constructor take
 (:class:`Run`) and its own settings and sets :attr:`Strategy.info` (what the engine needs to
 know); it calls no overridable method. Shared pieces (sampling, nested submodels, evaluation
 under each BN treatment, ...) are plain functions and one composable strategy in
-:mod:`.strategy_utils`; the registry is :mod:`.registry`.
+:mod:`nefl_zoo.fl.methods.common`; the registry is :mod:`.registry`.
 
 Messages are plain data: :class:`Instruction` and :class:`Reply` hold tensors keyed by name, a
 flat dict of scalars (Flower's ``ArrayRecord`` plus ``ConfigRecord``/``MetricRecord``) and
@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ..spec import SubmodelSpec
-from .aggregation import AggregationConfig
-from .settings import DataConfig, EvalConfig, TrainConfig
+from ...data.config import DataConfig
+from ...spec import SubmodelSpec
+from ..aggregation.rules import AggregationConfig
+from .sections import EvalConfig, TrainConfig
 
 if TYPE_CHECKING:
-    from .local import LocalModel
+    from .local_model import LocalModel
 
 Scalar = Union[int, float, str, bool]
 ConfigValue = Union[Scalar, list[str], list[int], list[float]]
@@ -96,7 +97,7 @@ class ClientInfo:
 class Aggregate:
     """The result of :meth:`Strategy.aggregate_train`: the new global state, how many replies
     were used, which were rejected (client, reason) and the round's aggregation metrics (e.g.
-    ``epsilon``, ``clipped``: :func:`~.aggregation.aggregate_updates`), merged into its record."""
+    ``epsilon``, ``clipped``: :func:`~nefl_zoo.fl.aggregation.aggregate_updates`), merged into its record."""
 
     state: State
     accepted: int
@@ -192,7 +193,7 @@ class Strategy(abc.ABC):
             the model's defaults).
 
     A subclass's constructor sets :attr:`info`. ``server_round`` is 1-based, as in Flower.
-    ``name``, ``label`` and ``Settings`` are set by :func:`~nefl_zoo.fl.registry.register_method`.
+    ``name``, ``label`` and ``Settings`` are set by :func:`~nefl_zoo.fl.strategy.registry.register_method`.
     A method whose :meth:`aggregate_train` applies ``run.aggregation`` sets ``robust_aggregation``;
     the others refuse any but the default.
     """
@@ -251,7 +252,7 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def evaluate(self, server_round: int, global_state: Mapping[str, torch.Tensor], data) -> dict[str, float]:
-        """Server-side evaluation on ``data`` (:class:`~nefl_zoo.fl.data.FederatedData`):
+        """Server-side evaluation on ``data`` (:class:`~nefl_zoo.data.loading.FederatedData`):
         accuracy per name of ``info.eval_names``.
 
         Keys holding ``/`` are further metrics (not in worst/avg): e.g. ``recompute/g0.2``, a
@@ -308,7 +309,7 @@ class Strategy(abc.ABC):
 
     def local_model(self, instruction: Instruction) -> "LocalModel | None":
         """The model :meth:`train` would fit for ``instruction`` when it does nothing else
-        (:func:`~nefl_zoo.fl.client.fit`, no client state, the reply from the fit), so an engine
+        (:func:`~nefl_zoo.fl.training.client.fit`, no client state, the reply from the fit), so an engine
         may train several such clients together (``train.parallel_clients``); ``None`` (the
         default): clients train only through :meth:`train`.
 

@@ -2,7 +2,7 @@
 
 The time each entry needs to reach a target accuracy on the simulated clock (:mod:`.time_to_accuracy`),
 on the worst-case submodel (the NeFL paper's "Worst"), on the full model and, where the runs score
-their device classes (``eval.device_classes``, :mod:`.device_classes`), on the worst device class.
+their device classes (``eval.device_classes``, :mod:`.classes`), on the worst device class.
 Then what each device class gets at the end (the last evaluation, mean ± std over seeds): its
 accuracy on the tier its clients run and on the full model, the worst class and the spread; its
 updates summed over the rounds (seed means); the tiers its clients run. Written to
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .config import RunConfig
     from .time_to_accuracy import Points
 
 UPDATES = ("sampled", "arrived", "dropped", "lost")
@@ -120,12 +119,12 @@ def plot_classes(labels: Mapping[str, str], summary: Mapping[str, dict], path: P
     plt.close(fig)
 
 
-def devices_report(config: "RunConfig", labels: Mapping[str, str], seeds: Sequence[int], points: Points, treatment: str, out: Path,
+def devices_report(setting: str, labels: Mapping[str, str], seeds: Sequence[int], points: Points, treatment: str, out: Path,
                    plot: bool, target: float | None) -> str:
     """The time to accuracy of every entry (by key: its ``labels``; its runs in ``out/KEY/seedN``, their
     worst-case ``points`` under the BN ``treatment``) and, where the runs score device classes, what
-    each class gets (see the module docstring)."""
-    from ..spec import load_spec
+    each class gets (see the module docstring); ``setting`` (model and dataset) titles the figures."""
+    from ...spec import load_spec
     from .time_to_accuracy import time_report
 
     dirs = {k: [out / k / f"seed{s}" for s in seeds] for k in labels}
@@ -135,7 +134,6 @@ def devices_report(config: "RunConfig", labels: Mapping[str, str], seeds: Sequen
     scored = all("worst_device_class" in rs[-1] for runs in records.values() for rs in runs)
     if scored:
         more["worst device class"] = {k: [worst_class_points(rs) for rs in runs] for k, runs in records.items()}
-    setting = f"{config.submodel_spec().model} on {config.data.dataset}"
     markdown = time_report(labels, points, dirs, treatment, target, out, plot, f"{setting}: accuracy against simulated time", more)
     if not scored:
         return markdown

@@ -1,7 +1,7 @@
 """Batched clients (``train.parallel_clients``): the clients of one submodel in a round trained
 together, ``torch.func.functional_call`` + ``vmap`` over their stacked tensors.
 
-Each client keeps what sequential training gives it (:func:`~nefl_zoo.fl.client.fit`): its own
+Each client keeps what sequential training gives it (:func:`~nefl_zoo.fl.training.client.fit`): its own
 batches (the same shuffling and augmentation from its seed, :mod:`.batches`), its own SGD state
 (momentum, weight decay, gradient clipping, written here on the stacked tensors with
 ``torch.optim.SGD``'s update rule) and its own BatchNorm statistics (the stacked buffers are
@@ -11,7 +11,7 @@ still train by their batch size and runs each group on its rows of the stacks, s
 padded. The result equals sequential training up to float rounding (tested: max relative
 difference <= 1e-5 per tensor on digits, fp32).
 
-Only a :class:`~nefl_zoo.fl.local.LocalModel` declaring ``batchable`` (its loss a pure function
+Only a :class:`~nefl_zoo.fl.strategy.local_model.LocalModel` declaring ``batchable`` (its loss a pure function
 of its tensors and batch: NeFL, FedAvg, HeteroFL, ...) from a method's
 :meth:`~nefl_zoo.fl.strategy.Strategy.local_model` is batched; others (FedProx's anchored loss,
 FjORD's sampled widths, distillation, FedGH, FedLPS) and ``precision: fp16`` (its gradient
@@ -28,10 +28,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import Dataset
 
+from ..strategy.base import Instruction, Reply, Strategy
+from ..strategy.local_model import LocalModel, impure_reason
 from .client import ClientResult, fit, training_batches
 from .device import placement, to_cpu
-from .local import LocalModel, impure_reason
-from .strategy import Instruction, Reply, Strategy
 
 log = logging.getLogger(__name__)
 _said: set[tuple[str, str]] = set()
@@ -84,7 +84,7 @@ def _sgd(params: Tensors, grads: Tensors, momenta: Tensors | None, config: Mappi
 
 
 def fit_together(locals_: Sequence[LocalModel], datasets: Sequence[Dataset], configs: Sequence[Mapping]) -> list[ClientResult]:
-    """Train every ``locals_[i]`` on ``datasets[i]`` as :func:`~nefl_zoo.fl.client.fit` with
+    """Train every ``locals_[i]`` on ``datasets[i]`` as :func:`~nefl_zoo.fl.training.client.fit` with
     ``configs[i]`` would (the same architecture and hyper-parameters, seeds of their own), on the
     current placement; returns their results in order, states on the CPU."""
     where, config = placement(), configs[0]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..datasets import NORMALIZATION, per_channel
+from .datasets import NORMALIZATION, per_channel
 from .mnist import open_split
 
 EXPECTED = {
@@ -85,7 +85,7 @@ def _labels(dataset) -> np.ndarray:
 
 def load_sources(names: list[str], root: Path, input_size: tuple[int, int, int], augment: bool):
     """``(train, train_eval, test, targets, num_classes)`` of the datasets ``names`` (of
-    :data:`~nefl_zoo.fl.settings.TaskSource`, 10 classes each) read from ``root`` as one, labels numbered in order."""
+    :data:`~nefl_zoo.data.config.TaskSource`, 10 classes each) read from ``root`` as one, labels numbered in order."""
     train, train_eval, test = [], [], []
     for k, name in enumerate(names):
         tr, te = _read(name, root, True), _read(name, root, False)

@@ -28,8 +28,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ..slim import SliceEntry
-from .aggregate import Update
+from ...slim import SliceEntry
+from .nefedavg import Update
 
 
 def noise_generator(seed: int, server_round: int) -> torch.Generator:

@@ -32,8 +32,8 @@ from flwr.serverapp import Grid
 from ...bounds import number
 from ..config import ConfigError, RunConfig
 from ..engine import Engine
-from ..secagg import weight_scale
-from ..strategy import ClientInfo, Instruction, Reply
+from ..methods.common import weight_scale
+from ..strategy.base import ClientInfo, Instruction, Reply
 from .nodes import NodeRegistry, check_waits, collect
 from .records import error_reply, instruction_content, read_reply
 from .secure import SecureMethod, check_secure

@@ -1,7 +1,7 @@
 """Data that depends on the device: ``data.partition: devices``.
 
-Each client holds what its device class's ``data`` says (:class:`~.population.ClassData`; the
-client's class is the one the population deals it, :func:`~.population.device_kinds`):
+Each client holds what its device class's ``data`` says (:class:`~.config.ClassData`; the
+client's class is the one the population deals it, :func:`device_kinds`):
 
 1. **The class's images.** A class of ``N`` clients holding ``samples`` images each gets ``N x
    samples`` images, split over the labels in proportion to its mix ``labels`` (normalised; none:
@@ -23,11 +23,19 @@ Everything derives from the run seed, so every method of a comparison sees the s
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from .population import DeviceClass
+from .config import ClassData
+
+
+class DeviceClass(Protocol):
+    """What the partition reads of a device class (the ``devices:`` section's classes,
+    :class:`nefl_zoo.fl.devices.population.DeviceClass`): its share of the clients and its data."""
+
+    share: float
+    data: ClassData | None
 
 
 class PartitionError(ValueError):
@@ -119,3 +127,15 @@ def device_partition(targets: np.ndarray, num_classes: int, kinds: np.ndarray, c
         for client, (start, end) in enumerate(zip(ends - counts[:, y], ends)):
             parts[client].append(images[start:end])
     return [np.sort(np.concatenate(p)) for p in parts]
+
+
+def device_kinds(classes: Sequence[DeviceClass], num_clients: int, seed: int) -> np.ndarray:
+    """The class index of every client: each class takes ``share`` of the clients (largest
+    remainders), dealt by a shuffle seeded with the run seed."""
+    counts = np.floor([c.share * num_clients for c in classes]).astype(np.int64)
+    remainders = np.array([c.share * num_clients for c in classes]) - counts
+    counts[np.argsort(-remainders, kind="stable")[: num_clients - int(counts.sum())]] += 1  # largest remainders
+    order = np.random.default_rng([seed, 1]).permutation(num_clients)
+    kind = np.empty(num_clients, dtype=np.int64)
+    kind[order] = np.repeat(np.arange(len(classes)), counts)
+    return kind

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .local import LocalModel
+from ..strategy.local_model import LocalModel
 
 
 def is_parameter(key: str) -> bool:

@@ -16,7 +16,7 @@ antialiasing, as torchvision's ``Resize``), repeated to three channels for a col
 normalised with the training set's statistics; so they train through the engine's on-device
 batching, like digits. EMNIST's stored images are transposed; they are turned upright, and the
 ``letters`` split's labels 1..26 become 0..25. Augmentation: a random crop with padding 2 (no
-flip: digits and letters are not mirror-symmetric), padding with the normalised zero (:mod:`.data`
+flip: digits and letters are not mirror-symmetric), padding with the normalised zero (:mod:`.loading`
 wraps the tensors).
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..datasets import DatasetNotFoundError, normalization
+from .datasets import DatasetNotFoundError, normalization
 
 FOLDERS = {"mnist": "MNIST", "fashionmnist": "FashionMNIST", "kmnist": "KMNIST", "emnist": "EMNIST"}
 EMNIST_CLASSES = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10}
@@ -159,7 +159,7 @@ def _download(name: str, root: Path, train: bool, split: str) -> None:
 
 
 def open_split(name: str, root: Path, train: bool, download: bool | None = False, split: str = "balanced") -> IdxSplit:
-    """The training or test split of ``name`` (one of :data:`~nefl_zoo.datasets.MNIST_FAMILY`)
+    """The training or test split of ``name`` (one of :data:`~nefl_zoo.data.datasets.MNIST_FAMILY`)
     read from ``root`` (``download``: fetched there first when missing; ``None``: never, and the
     error does not offer it); :class:`DatasetNotFoundError` naming the expected files when they
     are missing, :class:`IdxFileError` naming the file that is not what it should be."""

@@ -1,8 +1,8 @@
 """The ``aggregation:`` section of a run config and the aggregation it selects.
 
-Nothing set: NeFedAvg (:func:`~.aggregate.nefedavg`), as every method averages today. Options,
+Nothing set: NeFedAvg (:func:`~.nefedavg.nefedavg`), as every method averages today. Options,
 for every method that averages nested updates (those built on
-:class:`~.strategy_utils.Nested`: NeFL, FedAvg and its variants, FedAvgM, FedProx, HeteroFL,
+:class:`~nefl_zoo.fl.methods.common.Nested`: NeFL, FedAvg and its variants, FedAvgM, FedProx, HeteroFL,
 FjORD, DepthFL; FedGH trains its header on the server and FedLPS fills pruned entries before its
 own average, so both refuse the section):
 
@@ -25,12 +25,11 @@ from typing import Literal, Mapping
 import torch
 from pydantic import Field, model_validator
 
-from ..slim import SliceEntry
-from ..userfiles import field_error
-from .aggregate import Update, check_update, nefedavg
+from ...slim import SliceEntry
+from ...userfiles import Strict, field_error
+from .nefedavg import Update, check_update, nefedavg
 from .privacy import epsilon, noise_generator, private_mean
 from .robust import clip_update, coordinate_rule
-from .settings import Strict
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,8 @@ def aggregate_updates(global_state: Mapping[str, torch.Tensor], updates: list[Up
                       server_round: int | None = None, rate: float | None = None) -> tuple[dict[str, torch.Tensor], list[tuple[int | str, str]], dict[str, float]]:
     """``updates`` aggregated as ``config`` says: ``(new state, rejected, metrics)``.
 
-    Invalid updates (:func:`~.aggregate.check_update`) are logged and rejected, as by
-    :func:`~.aggregate.nefedavg`. ``metrics``: ``clipped`` (updates scaled down) with ``clip``;
+    Invalid updates (:func:`~.nefedavg.check_update`) are logged and rejected, as by
+    :func:`~.nefedavg.nefedavg`. ``metrics``: ``clipped`` (updates scaled down) with ``clip``;
     ``epsilon`` (cumulative, after ``server_round`` rounds at sampling ``rate``) with ``dp``,
     which also needs ``assigned`` (the slice entries of every client assigned this round),
     ``rate``, the run ``seed`` and ``server_round`` (none of them has a default).

@@ -1,13 +1,13 @@
 """Secure aggregation of nested updates: the ``secure_aggregation:`` settings and the one flat
 vector each client contributes, so that the server learns only the round's sums.
 
-A client's vector is its own :class:`~.aggregate.Sums` (what :func:`~.aggregate.accumulate`
+A client's vector is its own :class:`~.nefedavg.Sums` (what :func:`~.nefedavg.accumulate`
 makes of its update alone) in the global shapes, flattened in a fixed key order
 (:class:`Layout`): per element the weighted change ``w (u - g)`` it made (changes, not values,
 so a small clipping range holds them), then its weight ``w`` (zero where its submodel does not
 reach). Flower's SecAgg+ (:mod:`nefl_zoo.fl.flower.secure`) adds the vectors up without
 revealing any; :meth:`Layout.sums` rebuilds the round's sums (``total = sum w (u - g) + W g``)
-and :func:`~.aggregate.weighted_mean` finishes them: NeFedAvg, FedAvg per tier, exactly the
+and :func:`~.nefedavg.weighted_mean` finishes them: NeFedAvg, FedAvg per tier, exactly the
 method's own aggregation up to SecAgg+'s quantisation (:func:`sum_error`).
 
 Weights are scaled into ``(0, 1]`` (``scale``: 1 per client, or ``1 / largest partition`` with
@@ -19,19 +19,26 @@ ranges and weights 1).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from ..userfiles import field_error
-from .aggregate import Sums, Update, accumulate, check_update
-from .settings import Strict
-from .strategy import Reply, Strategy
-from .strategy_utils import reply_weight
+from ...slim import SliceEntry
+from ...userfiles import Strict, field_error
+from .nefedavg import Sums, Update, accumulate, check_update
 
 INT_UNIT = 1024  # counts per unit of an integer tensor's change in a client's vector
+
+
+class LeveledMethod(Protocol):
+    """What :class:`Layout` reads of a method (:class:`~nefl_zoo.fl.methods.common.Nested`): its
+    levels (``info.levels``) and where each level's tensors lie in the global state."""
+
+    info: Any
+
+    def entries(self, level: str) -> Mapping[str, SliceEntry]: ...
 
 
 class SecureAggregation(Strict):
@@ -76,28 +83,16 @@ def sum_error(settings: SecureAggregation, clients: int) -> float:
     return clients * settings.step()
 
 
-def weight_scale(strategy: Strategy, partition_sizes: list[int], settings: SecureAggregation, clients: int) -> float:
-    """What clients multiply their weights by so that every weight is in ``(0, 1]``: 1 per
-    client (``train.weighting: clients``), else ``1 / largest partition``; ``ValueError`` when
-    the smallest scaled weight is not clear of :func:`sum_error` (it would read as unheld)."""
-    weights = [w for n in partition_sizes if (w := reply_weight(strategy.run, Reply({}, num_samples=n), strategy.weighting)) > 0]
-    scale = 1 / max(weights)
-    if min(weights) * scale <= 2 * sum_error(settings, clients):
-        raise ValueError(f"secure_aggregation: the smallest client weight ({min(weights) * scale:.2g} scaled) is within "
-                         "SecAgg+'s quantisation error; raise quantization_range")
-    return scale
-
-
 class Layout:
     """Where each global tensor a method's clients can train lies in a client's flat vector
     (every global key some level's entries reach, sorted).
 
     Args:
-        strategy: a method aggregating with :class:`~.strategy_utils.Nested`'s ``aggregate_train``.
+        strategy: a method aggregating with :class:`~nefl_zoo.fl.methods.common.Nested`'s ``aggregate_train``.
         global_state: a global state of the method (only keys and shapes are read).
     """
 
-    def __init__(self, strategy: Strategy, global_state: Mapping[str, torch.Tensor]):
+    def __init__(self, strategy: LeveledMethod, global_state: Mapping[str, torch.Tensor]):
         reached = {e.global_key for level in strategy.info.levels for e in strategy.entries(level).values()}
         self.strategy = strategy
         self.shapes = {k: tuple(global_state[k].shape) for k in sorted(reached)}
@@ -108,7 +103,7 @@ class Layout:
         """A client's ``[weighted changes, weights]`` (float64, the layout's order) for the
         tensors it was ``sent`` and ``returned`` at ``level`` with (scaled) ``weight``, and how
         many elements exceed ``clip`` (SecAgg+'s ``clipping_range``); ``ValueError`` for an
-        update the method would reject (:func:`~.aggregate.check_update`)."""
+        update the method would reject (:func:`~.nefedavg.check_update`)."""
         entries = self.strategy.entries(level)
         reason = check_update(Update(entries, returned, weight))
         if reason is not None:
@@ -121,7 +116,7 @@ class Layout:
         return [total, weights], int((np.abs(total) > clip).sum() + (weights > clip).sum())
 
     def sums(self, global_state: Mapping[str, torch.Tensor], total: np.ndarray, weights: np.ndarray, error: float) -> Sums:
-        """The round's :class:`~.aggregate.Sums` from the summed vector: summed weights within
+        """The round's :class:`~.nefedavg.Sums` from the summed vector: summed weights within
         ``error`` of zero are zero (no client held the element; a held one has at least the
         smallest scaled weight, far above it), totals are changes plus ``W g``."""
         weights = np.where(weights > error, weights, 0.0)

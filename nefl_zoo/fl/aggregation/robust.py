@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from .aggregate import Update
+from .nefedavg import Update
 
 
 def update_norm(global_state: Mapping[str, torch.Tensor], update: Update) -> float:
@@ -71,7 +71,7 @@ def coordinate_rule(global_state: Mapping[str, torch.Tensor], updates: list[Upda
                     trim: float = 0.0) -> dict[str, torch.Tensor]:
     """The new global state: per element, ``rule`` (``median`` or ``trimmed_mean`` cutting
     ``floor(trim * k)`` of its ``k`` holders from each end) over the values ``updates`` hold
-    (all valid: see :func:`~.aggregate.check_update`); elsewhere the previous value. Untouched
+    (all valid: see :func:`~.nefedavg.check_update`); elsewhere the previous value. Untouched
     keys keep their objects."""
     if rule not in ("median", "trimmed_mean"):
         raise ValueError(f"unknown coordinate rule {rule!r}")

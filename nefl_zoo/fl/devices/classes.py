@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.utils.data import Subset
 
-from .client import correct
+from ...data.loading import FederatedData
+from ..strategy.base import ClientInfo, Instruction, Strategy
+from ..training.client import correct
 from .clock import RoundTiming, VirtualClock
-from .data import FederatedData
-from .strategy import ClientInfo, Instruction, Strategy
 
 
 def deployed_tiers(clock: VirtualClock, evaluated: Sequence[str], clients: Sequence[ClientInfo]) -> list[str]:

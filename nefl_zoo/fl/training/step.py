@@ -1,4 +1,4 @@
-"""The forward pass of local training (:func:`~nefl_zoo.fl.client.fit`): eager, or compiled once
+"""The forward pass of local training (:func:`~nefl_zoo.fl.training.client.fit`): eager, or compiled once
 per submodel structure (``train.compile``), in the memory format of ``train.memory_format``.
 
 ``train.compile``: ``torch.compile`` (inductor) of a client model's ``loss``, forward and
@@ -13,7 +13,7 @@ structures. Only batches of the configured ``batch_size`` run compiled; an epoch
 merged) last batch runs eagerly on the same module, so no batch size compiles a second graph. A
 structure's first step is timed (its compilation and that one step): ``compile_s`` of the
 client's metrics and of the round record. Clients whose loss is not a pure function of their
-tensors and batch (:func:`~nefl_zoo.fl.local.impure_reason`) train eagerly, said once in a log line.
+tensors and batch (:func:`~nefl_zoo.fl.strategy.local_model.impure_reason`) train eagerly, said once in a log line.
 
 ``train.memory_format: channels_last`` keeps the model's 4-D weights and the images in NHWC
 layout during local training (the layout oneDNN's CPU convolutions and cuDNN's tensor cores
@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
+from ..strategy.local_model import LocalModel, impure_reason
 from .device import Placement
-from .local import LocalModel, impure_reason
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()

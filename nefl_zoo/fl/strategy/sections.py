@@ -1,82 +1,18 @@
-"""The shared sections of a training config: data, clients, local training, evaluation.
+"""The sections of a run config that a method sees in its :class:`~.base.Run`: local training
+(``train:``) and evaluation (``eval:``), the same for every method.
 
-A leaf module: methods (:mod:`.strategy`, :mod:`.methods`) read these sections and the run
-config (:mod:`.config`) assembles them, so neither imports the other. Settings that only one
-method reads are that method's own pydantic model (``method_args``), not fields here.
+Settings that only one method reads are that method's own pydantic model (``method_args``), not
+fields here; the run config (:mod:`nefl_zoo.fl.config`) assembles these with the other sections.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-TaskSource = Literal["mnist", "fashionmnist", "svhn", "cifar10"]  # datasets ``dataset: tasks`` reads (:mod:`.multidata`)
-
-
-class Strict(BaseModel):
-    """A config section: unknown keys are errors, and so are NaN and infinite numbers."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class DataConfig(Strict):
-    """Dataset, preprocessing and partition over clients."""
-
-    dataset: Literal["digits", "mnist", "fashionmnist", "kmnist", "emnist", "cifar10", "cifar100", "svhn", "cinic10",
-                     "imagefolder", "tasks"] = "digits"
-    emnist_split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] = Field(
-        "balanced", description="dataset: emnist: which of EMNIST's splits (classes: 62, 47, 47, 26, 10, 10)")
-    task_datasets: list[TaskSource] = Field(
-        list(get_args(TaskSource)), min_length=1,
-        description="dataset: tasks: these datasets from root as one, labels numbered one after another (FedLPS's tasks)")
-    public_fraction: float = Field(0.0, ge=0, lt=1, description="share of the training images held out (stratified) "
-                                   "before partitioning, held by no client (FedLPS pre-trains its backbone on it)")
-    root: str = Field("data", description="folder holding the dataset files (not used by digits)")
-    download: bool = Field(False, description="let torchvision download the dataset (needs a network)")
-    augment: bool = Field(True, description="NeFL-appendix augmentation (random crop, flip/jitter)")
-    partition: Literal["iid", "dirichlet", "shards", "devices"] = Field(
-        "iid", description="iid, dirichlet (label skew), shards (label shards) or devices (each device class's data: "
-        "devices.classes[].data)")
-    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (partition: dirichlet)")
-    shards_per_client: int = Field(2, ge=1, description="label shards per client (partition: shards)")
-    test_fraction: float = Field(0.25, gt=0, lt=1, description="digits only: held-out test share")
-    max_test_samples: int | None = Field(None, ge=1, description="evaluate on the first N test samples")
-    local_split: tuple[float, float, float] | None = Field(
-        None, description="split each client's data train/val/test, e.g. [0.8, 0.1, 0.1] (FedGH's "
-        "personalised evaluation on the client's own test split); none = all for training"
-    )
-
-    @field_validator("local_split")
-    @classmethod
-    def _fractions(cls, v: tuple[float, float, float] | None) -> tuple[float, float, float] | None:
-        if v is not None and (min(v) < 0 or v[0] <= 0 or v[2] <= 0 or abs(sum(v) - 1) > 1e-6):
-            raise ValueError("expected [train, val, test] fractions summing to 1, train and test > 0")
-        return v
-
-
-class ClientsConfig(Strict):
-    """Client population and the environment that decides which submodels a client may train.
-
-    ``environment: dynamic`` is the paper's: as many equal client groups as submodels, group i
-    picking each round at random among submodels i-2..i+2 (with 5 submodels: tier 1 from
-    {1,2,3}, ..., tier 5 from {3,4,5}). ``fixed``: group i always trains submodel i.
-    ``groups`` (a list of lists of tier names) replaces both with explicit equal-size groups.
-    """
-
-    num_clients: int = Field(100, ge=1, le=1_000_000)
-    fraction: float = Field(0.1, gt=0, le=1, description="share of clients sampled per round")
-    environment: Literal["dynamic", "fixed"] = "dynamic"
-    groups: list[list[str]] | None = Field(None, description="explicit allowed tiers per client group")
-
-    @field_validator("groups")
-    @classmethod
-    def _non_empty(cls, v: list[list[str]] | None) -> list[list[str]] | None:
-        if v is not None and (not v or any(not g for g in v)):
-            raise ValueError("every group needs at least one tier name")
-        return v
+from ...userfiles import Strict
 
 
 class TrainConfig(Strict):
@@ -143,7 +79,7 @@ class TrainConfig(Strict):
 class EvalConfig(Strict):
     """When and how the server evaluates.
 
-    ``bn`` decides the BatchNorm statistics of the reported accuracies (:mod:`.bn`):
+    ``bn`` decides the BatchNorm statistics of the reported accuracies (:mod:`nefl_zoo.fl.training.bn`):
     ``running`` (as averaged from the clients) or ``recompute`` (reset and recomputed per
     submodel on ``bn_batches`` training batches without augmentation, the same batches for every
     method); ``bn_both`` also evaluates the other treatment, logged as ``TREATMENT/SUBMODEL``.
