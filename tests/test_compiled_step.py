@@ -73,12 +73,12 @@ def runs(tmp_path_factory):
         compiled.run()
         _float64_engine(load_config(QUICK, [*WIDE, "train.compile=true", "rounds=1"]), folder / "resumed").run()
         step.clear_compiled()
-        before = step.compile_stats.graphs
+        before = step.compile_stats.structures
         data = resume_config(folder / "resumed").to_dict()
         data["rounds"] = 2
         resumed = _float64_engine(parse_config(data, "resumed"), folder / "resumed")
         resumed.run(resume=True)
-        recompiled = step.compile_stats.graphs - before
+        recompiled = step.compile_stats.structures - before
     finally:
         torch.set_default_dtype(default)
         torch.set_num_threads(threads)
@@ -112,7 +112,7 @@ def test_each_tier_structure_compiles_once_for_every_client_and_round(tmp_path, 
     eager: two graphs (TorchDynamo's, through a backend that counts them and runs them as they
     are); the compile time is in round 1's record and round 2 compiles nothing."""
     counted = []
-    monkeypatch.setattr(step, "_inductor", lambda graph, inputs: counted.append(1) or graph.forward)
+    monkeypatch.setattr(step, "BACKEND", lambda graph, inputs: counted.append(1) or graph.forward)
     step.clear_compiled()
     before = step.compile_stats.structures
     engine = Engine(load_config(QUICK, [*TINY, "train.compile=true", "eval.every=10"]), tmp_path / "run")
@@ -187,12 +187,12 @@ def test_channels_last_training_equals_contiguous_to_float64_rounding(tmp_path):
 
 def test_a_client_whose_loss_is_not_pure_trains_eagerly_said_once(tmp_path, caplog):
     engine, instruction, data = _client(tmp_path)
-    before = step.compile_stats.graphs
+    before = step.compile_stats.structures
     step._said.clear()
     with placed(Placement(compile=True)), caplog.at_level(logging.WARNING, logger="nefl_zoo.fl.training.step"):
         for _ in range(2):
             result = fit(ProximalLocal(engine.strategy.local_model(instruction), 0.1), data, {**instruction.config, "local_epochs": 1})
-    assert step.compile_stats.graphs == before and "compile_s" not in result.metrics
+    assert step.compile_stats.structures == before and "compile_s" not in result.metrics
     assert [r.getMessage() for r in caplog.records] == [
         "train.compile: clients train eagerly, not compiled: its client model (ProximalLocal) has a loss that is not a pure "
         "function of its tensors"]
@@ -203,7 +203,7 @@ def test_every_structure_compiles_its_own_function_beyond_torchdynamos_recompila
     function for, through a backend that only counts (TorchDynamo traces, nothing is compiled):
     one graph each, and the ninth still runs compiled, not eagerly."""
     counted = []
-    monkeypatch.setattr(step, "_inductor", lambda graph, inputs: counted.append(1) or graph.forward)
+    monkeypatch.setattr(step, "BACKEND", lambda graph, inputs: counted.append(1) or graph.forward)
     step.clear_compiled()
     x, y = torch.randn(32, 1, 8, 8), torch.arange(32) % 10
     assert torch._dynamo.config.recompile_limit == 8
