@@ -93,13 +93,12 @@ def inside(base: Path, relative: str) -> Path | None:
     if not relative or any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
         return None
     root = base.resolve()
-    try:
+    try:  # a name the OS refuses (too long) is no file either
         path = (root / relative).resolve()
+        found = path.is_relative_to(root) and path != root and path.is_file()
     except (OSError, RuntimeError):
         return None
-    if not path.is_relative_to(root) or path == root or not path.is_file():
-        return None
-    return path
+    return path if found else None
 
 
 def check_export(folder: Path) -> dict:

@@ -333,7 +333,7 @@ def load_spec(path: str | Path) -> SubmodelSpec:
         >>> spec.model, [tier.name for tier in spec.tiers]
         ('resnet20', ['g0.2', 'g0.4', 'g0.6', 'g0.8', 'g1'])
     """
-    if not Path(path).is_file() and Path(path).suffix == "":
+    if not userfiles.is_file(path) and Path(path).suffix == "":
         path = resolve_spec_path(path)
     return parse_spec(userfiles.read_yaml(path, SpecError), str(path))
 
@@ -381,9 +381,9 @@ def resolve_spec_path(name_or_path: str | Path) -> Path:
         'nefl-w.yaml'
     """
     path = Path(name_or_path)
-    if path.is_file():
+    if userfiles.is_file(path):
         return path
     shipped = shipped_specs_dir() / f"{name_or_path}.yaml"
-    if shipped.is_file():
+    if userfiles.is_file(shipped):
         return shipped
     raise SpecError(str(name_or_path), "", "no such spec file or shipped spec (see `nefl-zoo specs`)")

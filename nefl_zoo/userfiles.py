@@ -104,6 +104,21 @@ def format_validation_error(
     return error_cls(source, field, message)
 
 
+def is_file(path: str | Path) -> bool:
+    """Whether ``path`` is a file; False, not an error, for a name the OS refuses (too long).
+
+    Args:
+        path: the path.
+
+    Returns:
+        Whether it names a file.
+    """
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def read_text(path: str | Path, error_cls: Callable[[str, str, str], E] = FileError, what: str = "the file") -> str:
     """The UTF-8 text of ``path``; ``error_cls(str(path), "", "cannot read the file (...)")``
     when it cannot be read (``what`` names the file in that message)."""

@@ -159,6 +159,7 @@ def test_a_shipped_config_is_taken_by_name_from_any_folder(tmp_path, monkeypatch
     ("digits-quik", "digits-quik: no such config file or shipped config (shipped: cifar10-iid-resnet18, "),
     ("missing.yaml", "missing.yaml: cannot read"),
     ("folder/digits-quick", "folder/digits-quick: cannot read"),
+    ("a" * 300, "a" * 300 + ": no such config file or shipped config"),  # a name the OS refuses (too long)
 ])
 def test_an_unknown_config_name_lists_the_shipped_ones(tmp_path, monkeypatch, given, words):
     monkeypatch.chdir(tmp_path)
@@ -174,3 +175,11 @@ def test_a_config_file_beside_the_users_own_spec_still_wins_over_a_shipped_name(
     assert [t.name for t in load_config(tmp_path / "run.yaml").submodel_spec().tiers] == ["only", "all"]
     (tmp_path / "resnet20" / "nefl-w").unlink()
     assert [t.name for t in load_config(tmp_path / "run.yaml").submodel_spec().tiers] == ["g0.2", "g0.4", "g0.6", "g0.8", "g1"]
+
+
+def test_a_spec_name_the_os_refuses_is_a_one_line_error(tmp_path):
+    """A name longer than the file system allows is no file: the one-line error of an unknown spec."""
+    (tmp_path / "run.yaml").write_text("name: long\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "run.yaml", ["spec=" + "a" * 300])
+    assert "spec: " + "a" * 300 in str(error.value) and len(str(error.value).splitlines()) == 1

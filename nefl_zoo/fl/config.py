@@ -16,7 +16,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from ..data.config import DataConfig
 from ..spec import UNKNOWN_KEY, SpecError, SubmodelSpec, load_spec, parse_spec, shipped_specs_dir
-from ..userfiles import Strict, field_error, format_validation_error, parse_yaml, read_yaml
+from ..userfiles import Strict, field_error, format_validation_error, is_file, parse_yaml, read_yaml
 from .aggregation.rules import AggregationConfig
 from .aggregation.secagg import SecureAggregation
 from .devices.population import DevicesConfig, read_trace
@@ -147,7 +147,7 @@ class RunConfig(Strict):
                 self._spec = parse_spec(self.spec, "spec")
             else:
                 local = self._base_dir / self.spec
-                self._spec = load_spec(local if local.is_file() else self.spec)
+                self._spec = load_spec(local if is_file(local) else self.spec)
         return self._spec
 
     def with_method(self, method: str, seed: int | None = None) -> "RunConfig":
@@ -337,10 +337,10 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
         ConfigError: a name that is no shipped config (the line lists them).
     """
     path = Path(name_or_path)
-    if path.is_file() or path.suffix or len(path.parts) != 1:
+    if is_file(path) or path.suffix or len(path.parts) != 1:
         return path  # a file (read_yaml says what is wrong with it)
     shipped = shipped_configs_dir() / f"{path.name}.yaml"
-    if shipped.is_file():
+    if is_file(shipped):
         return shipped
     names = ", ".join(shipped_configs())
     raise ConfigError(str(name_or_path), "", f"no such config file or shipped config (shipped: {names})")
