@@ -7,11 +7,11 @@ ServerApp and ClientApp on an in-process grid whose messages cross Flower's prot
 (``wire-M``); every method whose embedded run keeps per-client state (``clients.safetensors``)
 also runs stopped after round 1 and resumed on a fresh grid (``wire-M-resumed``: the nodes'
 contexts are new, so the client state can only come from the run's checkpoints). One Flower
-simulation (one Ray start: ClientApps in Ray's worker processes) runs the methods of
-:data:`RAY_METHODS` the same way (``flower-M``) and NeFL under ``secure_aggregation`` (Flower's
-SecAgg+: ``flower-nefl-secure``; :func:`secure_contract_config`). What Ray adds (processes,
-resources) is the same for every method, so a new method is picked up from the registry on the
-grid without an edit here and without another Ray run.
+simulation (one Ray start: ClientApps in Ray's worker processes) runs NeFL under
+``secure_aggregation`` (Flower's SecAgg+: ``flower-nefl-secure``; :func:`secure_contract_config`),
+an observer following it. What Ray adds (processes, resources) is the same for every method, so
+a new method is picked up from the registry on the grid without an edit here and without
+another Ray run.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ class Rounds:
         self.seen.append("end")
 
 
-OBSERVED = Rounds()  # follows the simulation's NeFL run (observers run in the ServerApp's thread)
-RAY_METHODS = ("nefl",)  # its observer and bytes per node are checked on Ray
+OBSERVED = Rounds()  # follows the simulation's run (observers run in the ServerApp's thread)
 _RUNS: dict[str, Path] = {}
 
 
@@ -74,7 +73,6 @@ def simulation(tmp_path_factory) -> Path:
 
         torch.set_num_threads(1)  # the clients train with one thread each: the same arithmetic
         out = tmp_path_factory.mktemp("flower-runs")
-        ray_runs = []
         for method in registered_methods():
             config, embedded = contract_config(method), out / f"embedded-{method}"
             shutil.copytree(contract_run(tmp_path_factory, method), embedded)
@@ -83,11 +81,7 @@ def simulation(tmp_path_factory) -> Path:
                 with pytest.MonkeyPatch.context() as mp:
                     set_server_identity(mp)
                     FlowerEngine(run_config, folder, grid, timeout=30).run(resume=resume)
-            if method in RAY_METHODS:
-                ray_runs += [SimulatedRun(c, f, resume=r, observer=OBSERVED if (method, r) == ("nefl", False) else None)
-                             for c, f, r in _with_resume(config, out, f"flower-{method}", embedded)]
-        ray_runs.append(SimulatedRun(secure_contract_config(), out / "flower-nefl-secure"))
-        simulate_runs(ray_runs, threads=1)
+        simulate_runs([SimulatedRun(secure_contract_config(), out / "flower-nefl-secure", observer=OBSERVED)], threads=1)
         _RUNS["out"] = out
     return _RUNS["out"]
 
