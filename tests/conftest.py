@@ -69,6 +69,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the same arithmetic on every machine), restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def set_server_identity(monkeypatch) -> None:
     """Set what a Flower ServerApp process has set when it builds messages (Flower's
     TaskIdentity), undone with ``monkeypatch``."""

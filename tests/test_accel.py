@@ -33,12 +33,7 @@ SMALL = ["clients.num_clients=40", "clients.fraction=0.1", "train.local_epochs=1
 GPU = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(tmp_path: Path, *overrides: str) -> Engine:

@@ -39,12 +39,7 @@ TINY = [f"spec={json.dumps(SPEC)}", "clients.num_clients=4", "clients.fraction=1
 WIDE = [*TINY, "clients.groups=[[wide]]"]  # every client trains the wide tier: one structure to compile
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _float64_engine(config, out) -> Engine:

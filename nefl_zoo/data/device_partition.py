@@ -50,7 +50,12 @@ def largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
     """``total`` split in proportion to ``weights`` as integers summing to ``total``: each share
     floored, the units left to the largest remainders (ties: the lower index)."""
     weights = np.asarray(weights, dtype=np.float64)
-    exact = total * weights / weights.sum()
+    return _rounded(total * weights / weights.sum(), total)
+
+
+def _rounded(exact: np.ndarray, total: int) -> np.ndarray:
+    """``exact`` shares of ``total`` as integers summing to ``total``: floored, the units left to
+    the largest remainders (ties: the lower index)."""
     counts = np.floor(exact).astype(np.int64)
     counts[np.argsort(-(exact - counts), kind="stable")[: total - int(counts.sum())]] += 1
     return counts
@@ -132,9 +137,7 @@ def device_partition(targets: np.ndarray, num_classes: int, kinds: np.ndarray, c
 def device_kinds(classes: Sequence[DeviceClass], num_clients: int, seed: int) -> np.ndarray:
     """The class index of every client: each class takes ``share`` of the clients (largest
     remainders), dealt by a shuffle seeded with the run seed."""
-    counts = np.floor([c.share * num_clients for c in classes]).astype(np.int64)
-    remainders = np.array([c.share * num_clients for c in classes]) - counts
-    counts[np.argsort(-remainders, kind="stable")[: num_clients - int(counts.sum())]] += 1  # largest remainders
+    counts = _rounded(np.array([c.share * num_clients for c in classes]), num_clients)
     order = np.random.default_rng([seed, 1]).permutation(num_clients)
     kind = np.empty(num_clients, dtype=np.int64)
     kind[order] = np.repeat(np.arange(len(classes)), counts)
