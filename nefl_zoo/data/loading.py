@@ -13,6 +13,7 @@ Dirichlet label skew, label shards, and data shaped by each client's device clas
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
@@ -123,31 +124,44 @@ class _Transformed(Dataset):
         return self.transform(x), y
 
 
+@functools.cache
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``(images (1797, 8, 8), labels)``, parsed once per process and
+    read-only (every run and export of a process shares them)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    for array in (bunch.images, bunch.target):
+        array.flags.writeable = False
+    return bunch.images, bunch.target
+
+
 def _digits(input_size: tuple[int, int, int], test_fraction: float, augment: bool):
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     channels, h, w = input_size
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    digit_images, labels = _digits_arrays()
+    images = torch.tensor(digit_images, dtype=torch.float32).unsqueeze(1) / 16.0
     images = F.interpolate(images, size=(h, w), mode="bilinear", align_corners=False)
     images = images.expand(-1, channels, -1, -1).contiguous()
     idx_train, idx_test = train_test_split(
-        np.arange(len(images)), test_size=test_fraction, stratify=bunch.target, random_state=0
+        np.arange(len(images)), test_size=test_fraction, stratify=labels, random_state=0
     )
     mean, std = images[idx_train].mean(), images[idx_train].std()
     images = (images - mean) / std
-    return _in_memory(images[idx_train], bunch.target[idx_train], images[idx_test], bunch.target[idx_test], 10,
+    return _in_memory(images[idx_train], labels[idx_train], images[idx_test], labels[idx_test], 10,
                       max(1, h // 8) if augment else 0)
 
 
 def _in_memory(train: torch.Tensor, targets: np.ndarray, test: torch.Tensor, test_labels: np.ndarray, classes: int, crop_padding: int):
     """``(train, train_eval, test, targets, num_classes)`` of images held as tensors; training
     images randomly cropped with ``crop_padding`` (0: none)."""
-    from torchvision.transforms import v2
+    crop = None
+    if crop_padding:
+        from torchvision.transforms import v2  # a second of imports: only where it crops
 
-    crop = v2.RandomCrop(tuple(train.shape[-2:]), padding=crop_padding) if crop_padding else None
+        crop = v2.RandomCrop(tuple(train.shape[-2:]), padding=crop_padding)
     return TensorImages(train, targets, crop), TensorImages(train, targets), TensorImages(test, test_labels), targets, classes
 
 

@@ -81,7 +81,8 @@ def simulation(tmp_path_factory) -> Path:
                 with pytest.MonkeyPatch.context() as mp:
                     set_server_identity(mp)
                     FlowerEngine(run_config, folder, grid, timeout=30).run(resume=resume)
-        simulate_runs([SimulatedRun(secure_contract_config(), out / "flower-nefl-secure", observer=OBSERVED)], threads=1)
+        # one CPU: one Ray worker process imports torch and the ClientApp, not one per core
+        simulate_runs([SimulatedRun(secure_contract_config(), out / "flower-nefl-secure", observer=OBSERVED)], threads=1, cpus=1)
         _RUNS["out"] = out
     return _RUNS["out"]
 
