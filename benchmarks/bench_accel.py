@@ -1,4 +1,4 @@
-"""Accelerators and batched clients (issue 22): rounds per second, sequential against batched.
+"""Accelerators and batched clients: rounds per second, sequential against batched.
 
 0. Batches: one epoch of the digits training set, and one client's local training, through the
    DataLoader against device-resident tensors cropped there (the same batches, bit for bit).

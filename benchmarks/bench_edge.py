@@ -1,11 +1,11 @@
-"""Edge families (issue 18): per shipped edge spec and tier, MACs and ONNX Runtime latency at
+"""Edge families: per shipped edge spec and tier, MACs and ONNX Runtime latency at
 batch 1 and 32, one thread; do the tiers ordered by MACs run in that order?
 
 Each spec's tiers are exported as ``nefl-zoo export SPEC`` writes them (random weights, BatchNorm
 folded, dynamic batch, verified against PyTorch) and timed with ``TierRuntime.benchmark_many``:
 every tier of the spec once per round (``nefl_zoo.timing.interleaved_median_ms``), ``--runs``
 rounds after two untimed ones, each figure the median of its rounds, so that a change of machine
-load hits every tier alike. Ratios are against the spec's largest tier. Targets (issue 18): at
+load hits every tier alike. Ratios are against the spec's largest tier. Targets: at
 batch 1 the latency increases with the MACs, and latency ratio / MACs ratio <= 1.2 for
 gamma >= 0.4.
 

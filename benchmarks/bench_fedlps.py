@@ -1,4 +1,4 @@
-"""FedLPS on the bundled digits (issues: FedGH and FedLPS as methods; FedLPS as published).
+"""FedLPS on the bundled digits.
 
 For every seed: a short centralised pre-training of the backbone on the held-out public split
 that no client holds (``data.public_fraction``, ``pretrain_backbone``), then

@@ -1,4 +1,4 @@
-"""Training-engine benchmarks (issue: nested federated training).
+"""Training-engine benchmarks.
 
 1. Engine overhead: wall time of ``Engine.run_round`` against the same clients' local training
    run as plain PyTorch loops (DataLoader, SGD, cross-entropy) on the same slim modules and data.

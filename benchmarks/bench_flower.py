@@ -1,4 +1,4 @@
-"""Flower benchmarks (issue: nested FL on Flower; scaling out): wall time per round of the digits
+"""Flower benchmarks: wall time per round of the digits
 run on the embedded engine, on Flower's simulation engine and on a local Flower deployment, with
 start-up shown separately, and whether each gives the embedded engine's final tensors.
 

@@ -1,4 +1,4 @@
-"""Quantized tiers (issue 21): per tier and precision, accuracy, bytes and latency, and which
+"""Quantized tiers: per tier and precision, accuracy, bytes and latency, and which
 (tier, precision) a device gets at three budgets.
 
 Every source is exported with ``ExportOptions(precisions=("fp32", "int8", "fp16"))``:

@@ -1,5 +1,5 @@
-"""Robust aggregation and client-level DP on nested updates, on MNIST (issue 52; "Robust
-aggregation and differential privacy", docs/benchmarks/robust.md).
+"""Robust aggregation and client-level DP on nested updates, on MNIST (the page
+"Robust aggregation and differential privacy", docs/benchmarks/robust.md).
 
 The FedAvg paper's 2NN nested automatically (``nz.nest``, five width tiers gamma_W 0.2 .. 1),
 NeFL with 100 clients, 10 a round, the NeFL paper's dynamic environment (five client groups),

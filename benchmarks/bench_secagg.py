@@ -1,4 +1,4 @@
-"""SecAgg+ against plain Flower (issue 52, item 4): per-round wall time and bytes of nested
+"""SecAgg+ against plain Flower: per-round wall time and bytes of nested
 federated learning on Flower's simulation engine, with and without ``secure_aggregation``.
 
 The run: NeFL, ResNet20 at 8x8 (digits), three width tiers (0.25, 0.5, 1), ``--clients``
