@@ -119,7 +119,7 @@ def machine() -> str:
 def to_markdown(results: list[dict], runs: int, load_before: str, load_after: str, seconds: float) -> str:
     lines = [
         f"CPU: {machine()}; onnxruntime {ort.__version__}, CPUExecutionProvider, 1 thread; median of {runs} "
-        f"interleaved rounds per file and batch. Load average (`uptime`, 2 cores shared with other jobs) before: "
+        f"interleaved rounds per file and batch. Load average (`uptime`, {os.cpu_count()} CPUs) before: "
         f"{load_before}, after: {load_after}; wall time {seconds:.0f} s.",
         "",
     ]
