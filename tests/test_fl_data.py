@@ -126,6 +126,26 @@ def test_the_digits_test_split_is_fixed_whatever_the_run_seed():
     assert a.test.labels.tolist() == target[test].tolist()
 
 
+def test_digits_are_read_once_and_a_run_that_changes_its_images_leaves_the_next_run_alone():
+    """The digits are parsed once per process into read-only arrays; each run gets its own
+    tensors, so one run writing into its images cannot reach another's, and without augmentation
+    no transform is made (nothing imports torchvision's transforms for it)."""
+    from sklearn.datasets import load_digits
+
+    from nefl_zoo.data.loading import _digits_arrays
+
+    images, labels = _digits_arrays()
+    assert _digits_arrays()[0] is images and not images.flags.writeable and not labels.flags.writeable
+    assert np.array_equal(images, load_digits().images) and np.array_equal(labels, load_digits().target)
+    first = load_data(DataConfig(augment=False), None, (1, 8, 8), num_clients=4, seed=0)
+    kept = first.train.images.clone()
+    first.train.images.add_(100.0)
+    second = load_data(DataConfig(augment=False), None, (1, 8, 8), num_clients=4, seed=0)
+    assert torch.equal(second.train.images, kept) and second.train.transform is None
+    with pytest.raises(ValueError, match="read-only"):
+        images[0, 0, 0] = 1.0
+
+
 def test_partitions_follow_the_configs_alpha_and_shards():
     for cfg in (DataConfig(partition="dirichlet", alpha=0.1, shards_per_client=3),
                 DataConfig(partition="shards", alpha=0.1, shards_per_client=3)):
