@@ -129,7 +129,7 @@ def test_the_digits_test_split_is_fixed_whatever_the_run_seed():
 def test_digits_are_read_once_and_a_run_that_changes_its_images_leaves_the_next_run_alone():
     """The digits are parsed once per process into read-only arrays; each run gets its own
     tensors, so one run writing into its images cannot reach another's, and without augmentation
-    no transform is made (nothing imports torchvision's transforms for it)."""
+    no transform is made."""
     from sklearn.datasets import load_digits
 
     from nefl_zoo.data.loading import _digits_arrays
@@ -144,6 +144,22 @@ def test_digits_are_read_once_and_a_run_that_changes_its_images_leaves_the_next_
     assert torch.equal(second.train.images, kept) and second.train.transform is None
     with pytest.raises(ValueError, match="read-only"):
         images[0, 0, 0] = 1.0
+
+
+def test_digits_without_augmentation_load_in_a_fresh_process_without_torchvisions_transforms():
+    """A second of imports a Flower node or a Ray worker does not pay: torchvision's transforms
+    are imported only where a run crops."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from nefl_zoo.data.config import DataConfig; from nefl_zoo.data.loading import load_data\n"
+            "load_data(DataConfig(augment=False), None, (1, 8, 8), num_clients=2, seed=0)\n"
+            "print('torchvision.transforms' in sys.modules)\n"
+            "load_data(DataConfig(augment=True), None, (1, 8, 8), num_clients=2, seed=0)\n"
+            "print('torchvision.transforms' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]
 
 
 def test_partitions_follow_the_configs_alpha_and_shards():
